@@ -1,0 +1,228 @@
+"""The round API end to end on handmade blocks: plan -> accept -> learn, and the arms' switches."""
+
+import json
+
+import numpy as np
+import pytest
+
+from adaspark.errors import UserError
+from adaspark.scheduler import Arm, Scheduler
+from adaspark.scheduler.store import Store
+from adaspark.scheduler.tree import NGRAM, Block
+
+PROMPT = [5, 6, 7, 8]
+
+
+def make_block(picks, K=3, head=0.7):
+    """Picks plus K-1 siblings per position with distinct ids, logits descending."""
+    picks = np.asarray(picks, dtype=np.int64)
+    B = picks.size
+    ids = np.empty((B, K), dtype=np.int64)
+    ids[:, 0] = picks
+    for i in range(B):
+        ids[i, 1:] = 1000 + 10 * i + np.arange(1, K)
+    logits = np.tile(np.linspace(2.0, 0.0, K), (B, 1))
+    return Block(picks, ids, logits, np.full(B, head))
+
+
+def argmax_following(plan, truth):
+    """A target whose greedy continuation after the anchor is `truth`: each row on the true
+    path predicts the next true token, every other row a token no candidate proposes."""
+    out = np.full(plan.rows, -7, dtype=np.int64)
+    on = np.zeros(plan.rows, dtype=bool)
+    for r in range(plan.rows):
+        d = int(plan.depths[r])
+        on[r] = r == 0 or (on[plan.parents[r]] and plan.tokens[r] == truth[d - 1])
+        if on[r]:
+            out[r] = truth[d]
+    return out
+
+
+def run_round(sched, block, truth, context, last=False):
+    plan = sched.plan(block, context)
+    outcome = sched.accept(plan, argmax_following(plan, truth))
+    record = sched.learn(outcome, verify_s=0.02, fixed_s=0.005, commit_s=0.0005, last_round=last)
+    return plan, outcome, record
+
+
+def test_plan_accept_learn_end_to_end():
+    sched = Scheduler(Arm.parse("adaspark"))
+    sched.begin_request(PROMPT)
+    plan, outcome, record = run_round(sched, make_block([11, 12, 13]), [11, 12, 99, 5], 4)
+    assert plan.chosen_by == "probe" and plan.width_chosen == 2 and plan.rows == 2
+    assert plan.tokens[0] == PROMPT[-1] and plan.tokens[1] == 11  # the pick is likeliest
+    # the mask is the ancestor relation of the parent rows, and depth follows it
+    for i in range(plan.rows):
+        ancestors = {i}
+        j = i
+        while plan.parents[j] >= 0:
+            j = plan.parents[j]
+            ancestors.add(j)
+        assert set(np.flatnonzero(plan.mask[i])) == ancestors
+        if i:
+            assert plan.depths[i] == plan.depths[plan.parents[i]] + 1
+    assert outcome.tokens == [11] and outcome.bonus == 12 and outcome.rows == [0, 1]
+    assert list(outcome.committed) == [11, 12]
+    assert record["accepted"] == 1 and record["rows"] == 2 and record["labels"] > 0
+    assert json.loads(json.dumps(record))["context"] == 4  # the round log is JSON lines
+    # the n-gram index learned the committed tokens; the bonus is the next anchor
+    assert sched.index.hist[-2:] == [11, 12]
+    plan2 = sched.plan(make_block([13, 14, 15]), 6)
+    assert plan2.tokens[0] == 12
+
+
+def test_first_round_teaches_the_cost_model_nothing():
+    sched = Scheduler()
+    empty = json.dumps(sched.cost.state_dict())
+    sched.begin_request(PROMPT)
+    run_round(sched, make_block([11, 12, 13]), [11, 12, 13, 14], 4)
+    assert json.dumps(sched.cost.state_dict()) == empty
+    run_round(sched, make_block([21, 22, 23]), [21, 22, 23, 24], 8)
+    assert sched.cost.classes[0].law.samples == 1 and sched.cost.fixed.samples == 1
+
+
+def test_last_round_teaches_no_acceptance():
+    sched = Scheduler()
+    sched.begin_request(PROMPT)
+    run_round(sched, make_block([11, 12, 13]), [11, 12, 13, 14], 4)
+    before = sched.acceptance.state_dict()
+    _, _, record = run_round(sched, make_block([21, 22, 23]), [21, 9, 9, 9], 8, last=True)
+    assert record["labels"] == 0
+    assert sched.acceptance.state_dict() == before
+
+
+@pytest.mark.parametrize("arm,rows", [("adaspark:5", 5), ("tree:6", 6), ("adaspark:3", 3)])
+def test_pinned_width_is_honoured(arm, rows):
+    sched = Scheduler(arm)
+    sched.begin_request(PROMPT)
+    for k in range(4):
+        plan, _, _ = run_round(sched, make_block([11 + k, 12 + k, 13 + k]), [11 + k, 0, 0, 0],
+                               4 + k)
+        assert plan.rows == rows and plan.chosen_by == "pinned"
+
+
+def test_ngram_off_has_no_ngram_rows():
+    repeating = [3, 4, 5, 6, 7, 8, 9, 10] * 4  # the index proposes copies of this passage
+
+    def ngram_nodes(arm):
+        sched = Scheduler(arm)
+        sched.begin_request(repeating)
+        plan = sched.plan(make_block([40, 41, 42]), len(repeating))
+        tree = plan._tree
+        return int(np.count_nonzero(tree.kind == NGRAM)), plan
+
+    with_ngram, _ = ngram_nodes("adaspark:16")
+    assert with_ngram > 0
+    without, plan = ngram_nodes("adaspark:16,no-ngram")
+    assert without == 0 and plan.rows == 10  # every drafter candidate, nothing else
+
+
+def test_head_only_arms_never_price_with_the_fitted_model():
+    for arm, fitted in (("adaspark", True), ("cost", False), ("adaspark,head", False),
+                        ("tree:4", False)):
+        sched = Scheduler(arm)
+        sched.acceptance.guard_fitted, sched.acceptance.guard_head = 0.0, 1.0  # guard: fitted
+        sched.begin_request(PROMPT)
+        plan = sched.plan(make_block([11, 12, 13]), 4)
+        assert plan.fitted_prices is fitted
+        q = plan._scored.q_fit if fitted else plan._scored.q_head
+        assert np.array_equal(plan._scored.q, q)
+
+
+def test_chain_arms_lay_out_a_chain():
+    block = make_block([11, 12, 13, 14, 15])
+    sched = Scheduler("chain3")
+    sched.begin_request(PROMPT)
+    plan = sched.plan(block, 4)
+    assert list(plan.tokens) == [8, 11, 12, 13] and list(plan.parents) == [-1, 0, 1, 2]
+    sched = Scheduler("chain")
+    sched.begin_request(PROMPT)
+    plan = sched.plan(block, 4)
+    assert list(plan.tokens) == [8, 11, 12, 13, 14, 15] and plan.chosen_by == "chain"
+    plan = sched.plan(block, 4, stop_ids=(12,))  # nothing is verified below a stop token
+    assert list(plan.tokens) == [8, 11, 12]
+    outcome = sched.accept(plan, [11, 12, 77])
+    assert outcome.tokens == [11, 12] and outcome.bonus == 77
+
+
+def test_ar_arm_runs_plain_rounds():
+    sched = Scheduler("ar")
+    sched.begin_request(PROMPT)
+    assert not sched.should_draft(4)
+    plan = sched.plain(4)
+    assert plan.rows == 1 and plan.tokens[0] == 8 and plan.chosen_by == "plain"
+    outcome = sched.accept(plan, [42])
+    assert list(outcome.committed) == [42]
+    sched.learn(outcome, 0.01, 0.0, 0.0001)
+    assert sched.plain(5).tokens[0] == 42
+
+
+def test_arm_parse():
+    assert Arm.parse("tree:8").pinned == 8 and not Arm.parse("tree:8").fitted
+    assert Arm.parse("adaspark").ngram and Arm.parse("adaspark").pinned is None
+    assert Arm.parse("chain3").chain == 3 and not Arm.parse("cost").ngram
+    arm = Arm.parse("adaspark,ratio,no-hysteresis,plain")
+    assert arm.ratio_rule and not arm.hysteresis and arm.plain_rounds
+    for bad in ("tree", "foo", "adaspark,bogus", "adaspark:0", "chain:4", "tree:x"):
+        with pytest.raises(UserError):
+            Arm.parse(bad)
+
+
+def test_state_round_trips_through_the_store(tmp_path):
+    from adaspark.sim.process import EOS, World, target_argmax
+
+    world = World(3)
+    sched = Scheduler()
+    req = world.request(0)
+    context = req.prompt_length
+    sched.begin_request(req.stream[:context])
+    for _ in range(30):
+        plan = sched.plan(world.block(req, context - 1), context, (EOS,))
+        argmax = target_argmax(req, context - 1, plan.tokens, plan.depths, plan.mask)
+        outcome = sched.accept(plan, argmax)
+        sched.learn(outcome, 0.02 + 0.001 * plan.rows, 0.005, 0.0005)
+        context += len(outcome.committed)
+    sched.end_request()
+    store = Store(tmp_path, {"model": "m", "drafter": "d"})
+    store.save(sched.state_dict())
+    restored = Scheduler()
+    restored.load_state_dict(store.load())
+    assert json.dumps(restored.state_dict(), sort_keys=True) == json.dumps(
+        sched.state_dict(), sort_keys=True)
+    # the restored scheduler plans the next request's first round exactly as the original
+    req = world.request(1)
+    plans = []
+    for s in (sched, restored):
+        s.begin_request(req.stream[: req.prompt_length])
+        plans.append(s.plan(world.block(req, req.prompt_length - 1), req.prompt_length, (EOS,)))
+    assert np.array_equal(plans[0].tokens, plans[1].tokens)
+    assert plans[0].width_chosen == plans[1].width_chosen
+    with pytest.raises(UserError):
+        restored.load_state_dict({"version": 99})
+
+
+def test_plain_rounds_replace_speculation_that_cannot_pay():
+    """A drafter that is never right and a tree verify that costs 3x a plain step: with plain
+    rounds on, the scheduler measures the 1-row step and then stops drafting (re-checking every
+    16th round); with them off (the paper's arms) it always drafts."""
+    rounds = {}
+    for arm in ("adaspark,plain", "adaspark"):
+        sched = Scheduler(arm)
+        sched.begin_request(list(range(3, 303)))
+        context, kinds = 300, []
+        for k in range(120):
+            if sched.should_draft(context):
+                plan = sched.plan(make_block([5000 + k, 5001 + k, 5002 + k]), context)
+                verify_s, fixed_s = 0.03, 0.01
+            else:
+                plan = sched.plain(context)
+                verify_s, fixed_s = 0.01, 0.0
+            outcome = sched.accept(plan, np.full(plan.rows, 7 + k % 50))  # never a candidate
+            sched.learn(outcome, verify_s, fixed_s, 0.0005)
+            context += len(outcome.committed)
+            kinds.append(plan.chosen_by)
+        rounds[arm] = kinds
+    assert "plain" not in rounds["adaspark"]
+    late = rounds["adaspark,plain"][60:]
+    assert late.count("plain") >= 0.9 * len(late)
+    assert late.count("plain") < len(late)  # it keeps checking whether drafting pays again

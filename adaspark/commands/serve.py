@@ -1,0 +1,88 @@
+"""`adaspark serve`: the OpenAI-compatible HTTP server on one model and one arm.
+
+The port opens at once; the model loads in the background (/health answers 503 until it is
+ready). A model that fails to load stops the server with that error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+
+from adaspark.errors import UserError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--precision", choices=("fast", "reference"), default="fast",
+                        help="fast packed kernels, or float32 reference")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    parser.add_argument("--arm", default=None,
+                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark[:N] "
+                             "(default: adaspark when a drafter exists for the model, else ar)")
+    parser.add_argument("--drafter", default=None, metavar="DIR",
+                        help="drafter checkpoint directory (default: the shipped one)")
+    parser.add_argument("--store", default=None, metavar="DIR",
+                        help="learned store directory (default: the user cache)")
+    parser.add_argument("--fresh", action="store_true", help="start from an empty learned store")
+    parser.add_argument("--round-log", default=None, metavar="FILE",
+                        help="write one JSON line per decoding round")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a busy port fails at once."""
+    if not 0 < port < 65536:
+        raise UserError(f"--port must be between 1 and 65535, not {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from adaspark.engine import Engine
+    from adaspark.model.sources import resolve_model
+    from adaspark.scheduler.round import Arm
+    from adaspark.server import create_app
+
+    # Bad options fail here, at once, rather than after the port has opened.
+    if args.arm is not None:
+        Arm.parse(args.arm)
+    model_path = resolve_model(args.model)
+    failure: list[BaseException] = []
+
+    def load() -> Engine:
+        try:
+            return Engine.load(model_path, precision=args.precision, device=args.device,
+                               arm=args.arm, drafter=args.drafter, store=args.store,
+                               fresh=args.fresh, round_log=args.round_log)
+        except BaseException as err:
+            failure.append(err)
+            server.should_exit = True
+            raise
+
+    sock = listen(args.host, args.port)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    app = create_app(load, model_id=model_path.stem)
+    # On shutdown, a request still decoding is cancelled after a short grace (its stream's
+    # cancellation stops the engine at the next token) instead of holding the exit to its end.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failure:
+        raise UserError(f"the model failed to load: {failure[0]}")
+    return 0

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible routes: /v1/chat/completions (SSE or not), /v1/models, /health.
+
+Requests are parsed and tokenised on the event loop's side; generation runs on the engine's own
+thread (see worker.py), one request at a time in arrival order. Any model name is accepted in a
+request: the server serves exactly one model, and echoes its id in every response. A prompt that
+fills the context is refused (400, context_length_exceeded); otherwise the reply may run to
+max_tokens or to the end of the context, whichever comes first (finish_reason "length").
+Every response, streamed or not, carries `usage` and the engine's `timings` for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from adaspark.errors import UserError
+from adaspark.server.errors import (
+    error_body,
+    error_response,
+    install_error_handlers,
+    log,
+    validation_message,
+)
+from adaspark.server.schemas import ChatRequest, Message, RequestError
+from adaspark.server.toolcalls import may_be_tool_call, parse_tool_calls
+from adaspark.server.worker import Cancelled, EngineWorker, Job
+
+MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context; guards memory only
+
+
+class Unavailable(Exception):
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI messages as plain dicts for the tokenizer, which renders tools and tool calls."""
+    out = []
+    for message in messages:
+        entry = message.model_dump(exclude_none=True)
+        entry["content"] = message.text()
+        if message.role == "developer":  # OpenAI's newer name for the system role
+            entry["role"] = "system"
+        out.append(entry)
+    return out
+
+
+def _usage(prompt_tokens: int, result: Any) -> dict[str, int]:
+    completion = len(result.token_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def create_app(load_engine: Callable[[], Any], model_id: str) -> FastAPI:
+    """The app; `load_engine()` runs on the engine thread at startup, so the port opens at once."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.worker = EngineWorker(load_engine)
+        yield
+        app.state.worker.close()
+
+    app = FastAPI(title="adaspark", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
+        return error_response(exc.status, exc.message)
+
+    def ready_engine() -> Any:
+        worker = app.state.worker
+        if worker.load_error is not None:
+            raise Unavailable(500, f"the model failed to load: {worker.load_error}")
+        if not worker.ready:
+            raise Unavailable(503, "the model is still loading; retry shortly")
+        return worker.engine
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready_engine()
+        return JSONResponse({"status": "ok", "model": model_id})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {"id": model_id, "object": "model", "created": 0, "owned_by": "adaspark"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return error_response(413, f"request body over {MAX_BODY_BYTES >> 20} MiB")
+        body = await request.body()
+        try:
+            req = ChatRequest.model_validate_json(body)
+        except ValidationError as err:
+            message, param = validation_message(err.errors())
+            return error_response(400, message, param)
+        req.check_supported()
+        engine = ready_engine()
+        tools = req.active_tools()
+        try:
+            prompt_ids = await asyncio.to_thread(
+                engine.tokenizer.encode_chat, template_messages(req.messages), tools
+            )
+        except UserError as err:  # e.g. a role order the chat template refuses
+            raise RequestError(str(err), param="messages") from None
+        room = engine.context_length - len(prompt_ids)
+        if room < 1:
+            raise RequestError(
+                f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
+                f"{engine.context_length}, including the reply",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        cap = req.token_cap()
+        reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls())
+        job = Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id)
+        if req.stream:
+            stream = _sse(app.state.worker, job, reply, req.include_usage())
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await _complete(request, app.state.worker, job, reply)
+
+    return app
+
+
+class Reply:
+    """What every response about one request shares: its id, model and how to finish it."""
+
+    def __init__(self, model_id: str, prompt_tokens: int, tools_active: bool):
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_id
+        self.prompt_tokens = prompt_tokens
+        self.tools_active = tools_active
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def finish(self, text: str, result: Any) -> tuple[dict[str, Any], str]:
+        """The final message and finish_reason of a reply."""
+        calls = parse_tool_calls(text) if self.tools_active else None
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, result.finish_reason
+
+
+async def _complete(request: Request, worker: EngineWorker, job: Job, reply: Reply) -> Any:
+    future = asyncio.wrap_future(worker.submit(job))
+
+    async def watch_disconnect() -> None:
+        # the body has been read, so the next message can only be the client leaving
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel.set()
+
+    watcher = asyncio.create_task(watch_disconnect())
+    try:
+        result = await future
+    except UserError as err:
+        return error_response(400, str(err))
+    except Cancelled:
+        return error_response(400, "request cancelled")  # nobody is listening any more
+    finally:
+        watcher.cancel()
+    message, finish_reason = reply.finish(result.text, result)
+    return JSONResponse({
+        "id": reply.id,
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                     "logprobs": None}],
+        "usage": _usage(reply.prompt_tokens, result),
+        "timings": result.timings.as_dict(),
+    })
+
+
+_DONE = object()
+
+
+async def _sse(
+    worker: EngineWorker, job: Job, reply: Reply, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events for one request; leaving early (a disconnect) cancels the request."""
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue = asyncio.Queue()
+
+    def post(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
+            loop.call_soon_threadsafe(pieces.put_nowait, item)
+
+    job.on_text = post
+    future = worker.submit(job)
+    future.add_done_callback(lambda _: post(_DONE))
+    first = True
+    held = ""  # text kept back while the reply may still be a bare tool call
+
+    def delta(content: str) -> str:
+        nonlocal first
+        body = {"role": "assistant", "content": content} if first else {"content": content}
+        first = False
+        return reply.chunk([{"index": 0, "delta": body, "finish_reason": None, "logprobs": None}])
+
+    try:
+        while (piece := await pieces.get()) is not _DONE:
+            if not piece:
+                continue
+            if reply.tools_active and (held or first):
+                held += piece
+                if may_be_tool_call(held):
+                    continue
+                piece, held = held, ""
+            yield delta(piece)
+        try:
+            result = future.result()
+        except (UserError, Cancelled) as err:
+            yield f"data: {json.dumps(error_body(400, str(err) or 'request cancelled'))}\n\n"
+            return
+        except Exception as err:  # a bug: say so in the stream, whose status was already sent
+            log.exception("internal error while streaming")
+            yield f"data: {json.dumps(error_body(500, f'internal server error: {err!r}'))}\n\n"
+            return
+        calls = parse_tool_calls(held) if held else None
+        if calls:
+            final = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            if first:
+                final = {"role": "assistant", "content": None, **final}
+            finish_reason = "tool_calls"
+        else:
+            if held or first:
+                yield delta(held)
+            final, finish_reason = {}, result.finish_reason
+        usage, timings = _usage(reply.prompt_tokens, result), result.timings.as_dict()
+        yield reply.chunk([{"index": 0, "delta": final, "finish_reason": finish_reason,
+                            "logprobs": None}], usage=usage, timings=timings)
+        if include_usage:
+            yield reply.chunk([], usage=usage, timings=timings)
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()  # a no-op once finished; stops the engine if the client left

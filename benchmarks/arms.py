@@ -1,0 +1,140 @@
+"""Decode speed per arm on the short subset, in one process: interleaved runs and ratios.
+
+The short subset is the first two turns of the first conversation of each source in the
+evaluation file. Every arm decodes every conversation turn by turn (its own replies as history,
+so turn 2 reuses the cached prefix), and the arms take turns run by run (A B A B ...), so a
+machine that speeds up or slows down during the benchmark affects every arm alike. Each arm
+keeps one engine (drafter, scheduler) over all its runs, starting from an empty learned store,
+as the paper's arms do; all arms share one loaded target.
+
+Speed = reply tokens after the first / decode seconds (the engine's Timing: every forward after
+the first reply token), summed over the replies of a run; the table gives the mean over runs,
+the ratio to `ar` (or to the first arm) and the round statistics.
+
+    .venv/bin/python benchmarks/arms.py --arms ar,chain3,cost,adaspark --max-tokens 256
+    .venv/bin/python benchmarks/arms.py --arms ar,adaspark --max-tokens 32 --runs 2 \\
+        --drafter DIR --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from adaspark.bench.conversations import load_conversations, short_subset
+from adaspark.engine import Engine
+from adaspark.model.gguf import read_gguf
+from adaspark.model.sources import resolve_model
+from adaspark.model.tokenizer import Tokenizer
+from adaspark.model.transformer import Transformer
+from adaspark.scheduler.round import Arm
+from adaspark.speculative import load_speculator
+
+CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
+LLAMA_CPP_TOK_S = 66.5  # llama.cpp on the paper's machine (closing note), for reference only
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default="ar,chain3,cost,adaspark",
+                   help="comma-separated arms; modifiers with '+' (adaspark+plain)")
+    p.add_argument("--max-tokens", type=int, default=256, help="reply cap per turn")
+    p.add_argument("--runs", type=int, default=2, help="interleaved runs per arm")
+    p.add_argument("--model", help="GGUF (default: the embedded SmolLM2)")
+    p.add_argument("--drafter", help="drafter checkpoint (default: the shipped one)")
+    p.add_argument("--precision", choices=("fast", "reference"), default="fast")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--conversations", default=str(CONVERSATIONS))
+    p.add_argument("--stores", metavar="DIR",
+                   help="where each arm saves its learned store (default: a new temp dir)")
+    p.add_argument("--json", metavar="FILE", help="also write every reply's numbers here")
+    return p.parse_args(argv)
+
+
+def run_conversation(engine: Engine, conv, max_tokens: int) -> list[dict]:
+    engine.reset()
+    messages = [{"role": "system", "content": conv.system}] if conv.system else []
+    replies = []
+    for turn, text in enumerate(conv.turns):
+        messages.append({"role": "user", "content": text})
+        gen = engine.generate(messages, tools=conv.openai_tools(), max_tokens=max_tokens,
+                              request_id=f"{conv.key}#{turn}")
+        messages.append({"role": "assistant", "content": gen.text})
+        replies.append({"conversation": conv.key, "turn": turn, "tokens": gen.token_ids,
+                        "finish": gen.finish_reason, **gen.timings.as_dict()})
+    return replies
+
+
+def summary(replies: list[dict]) -> dict:
+    tokens = sum(r["decode_tokens"] for r in replies)
+    seconds = sum(r["decode_s"] for r in replies)
+    rounds = sum(r["draft_rounds"] + r["plain_rounds"] for r in replies)
+    return {"tok_s": tokens / seconds if seconds else 0.0, "tokens": tokens,
+            "rounds": rounds, "plain": sum(r["plain_rounds"] for r in replies),
+            "rows_per_round": sum(r["verified_rows"] for r in replies) / max(rounds, 1),
+            "tokens_per_round": tokens / max(rounds, 1)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arms = [a.strip().replace("+", ",") for a in args.arms.split(",") if a.strip()]
+    for arm in arms:
+        Arm.parse(arm)
+    subset = short_subset(load_conversations(args.conversations))
+    path = resolve_model(args.model)
+    gguf = read_gguf(path)
+    target = Transformer(gguf, precision=args.precision)
+    tok = Tokenizer.from_gguf(gguf)
+    stores = Path(args.stores or tempfile.mkdtemp(prefix="adaspark-arms-"))
+    engines = {arm: Engine(target, tok, path,
+                           load_speculator(target, path, tok.stop_ids, arm=arm,
+                                           drafter=args.drafter, store=stores / arm, fresh=True))
+               for arm in arms}
+    print(f"{len(subset)} conversations x {max(len(c.turns) for c in subset)} turns, cap "
+          f"{args.max_tokens}, {args.runs} interleaved runs, torch threads "
+          f"{torch.get_num_threads()}", file=sys.stderr)
+    results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
+    for run in range(args.runs):
+        for arm, engine in engines.items():
+            start = time.perf_counter()
+            replies = [r for conv in subset for r in run_conversation(engine, conv,
+                                                                      args.max_tokens)]
+            results[arm].append(replies)
+            s = summary(replies)
+            print(f"run {run + 1} {arm:>12}: {s['tok_s']:6.1f} tok/s over {s['tokens']} tokens "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+
+    base = "ar" if "ar" in arms else arms[0]
+    speeds = {arm: [summary(run)["tok_s"] for run in runs] for arm, runs in results.items()}
+    mean = {arm: statistics.fmean(v) for arm, v in speeds.items()}
+    first = results[arms[0]]
+    print(f"\n| arm | decode tok/s (runs) | x {base} | tokens/round | rows/round | plain "
+          f"rounds | replies as {arms[0]} |")
+    print("|---|---|---|---|---|---|---|")
+    for arm in arms:
+        s = summary([r for run in results[arm] for r in run])
+        same = sum(a["tokens"] == b["tokens"] for run_a, run_b in zip(results[arm], first,
+                                                                     strict=True)
+                   for a, b in zip(run_a, run_b, strict=True))
+        total = sum(len(run) for run in first)
+        runs = " / ".join(f"{v:.1f}" for v in speeds[arm])
+        print(f"| {arm} | {mean[arm]:.1f} ({runs}) | {mean[arm] / mean[base]:.2f} | "
+              f"{s['tokens_per_round']:.2f} | {s['rows_per_round']:.1f} | {s['plain']} | "
+              f"{same}/{total} |")
+    print(f"\nllama.cpp on the paper's machine: {LLAMA_CPP_TOK_S} tok/s (not this machine)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

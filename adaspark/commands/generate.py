@@ -1,0 +1,92 @@
+"""`adaspark generate`: one greedy chat reply to a prompt, streamed or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from adaspark.engine import Engine, Generation
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by the commands that load a model and decode."""
+    parser.add_argument("--model", metavar="PATH",
+                        help="a local GGUF (llama, qwen2, qwen3); default: the embedded SmolLM2")
+    parser.add_argument("--precision", choices=("fast", "reference"), default="fast",
+                        help="fast: packed 4/8-bit kernels; reference: float32 (validation)")
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    parser.add_argument("--system", metavar="TEXT", help="system prompt")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
+                        help="most reply tokens (default 256)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop string (repeatable); the reply ends before it")
+    parser.add_argument("--arm", metavar="ARM",
+                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark, "
+                             "adaspark:N, with ,plain for width-1 plain rounds (default: "
+                             "adaspark when a drafter exists for the model, else ar)")
+    parser.add_argument("--drafter", metavar="DIR",
+                        help="drafter checkpoint (default: the shipped one for the model)")
+    parser.add_argument("--store", metavar="DIR",
+                        help="learned store directory (default: the user cache)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start from an empty learned store (it is still saved)")
+    parser.add_argument("--round-log", metavar="FILE",
+                        help="append one JSON line per decoding round")
+
+
+def load_engine(args: argparse.Namespace) -> Engine:
+    return Engine.load(args.model, precision=args.precision, device=args.device, arm=args.arm,
+                       drafter=args.drafter, store=args.store, fresh=args.fresh,
+                       round_log=args.round_log)
+
+
+def timing_line(gen: Generation) -> str:
+    t = gen.timings
+    return (f"[{len(gen.prompt_token_ids)} prompt tokens ({t.reused_tokens} reused), prefill "
+            f"{t.prefill_s * 1000:.0f} ms; {len(gen.token_ids)} reply tokens, decode "
+            f"{t.decode_tok_s:.1f} tok/s; {gen.finish_reason}"
+            + (f"; {t.draft_rounds} draft + {t.plain_rounds} plain rounds, mean width "
+               f"{t.mean_width:.1f}, {t.accepted_tokens} drafted tokens accepted]"
+               if t.draft_rounds else "]"))
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, metavar="TEXT",
+                        help="the user message (rendered through the model's chat template)")
+    add_model_options(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, ids, timing) instead of streaming")
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = load_engine(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    gen = engine.generate(messages, max_tokens=args.max_tokens, stop=args.stop,
+                          on_text=None if args.json else stream)
+    if args.json:
+        print(json.dumps({
+            "text": gen.text, "token_ids": gen.token_ids,
+            "prompt_token_ids": gen.prompt_token_ids, "finish_reason": gen.finish_reason,
+            "stop_token_id": gen.stop_token_id, "decode_tok_s": gen.timings.decode_tok_s,
+            "timings": gen.timings.as_dict(), "model": str(engine.model_path),
+            "precision": args.precision,
+            "arm": engine.speculator.arm if engine.speculator is not None else "ar",
+        }, ensure_ascii=False))
+    else:
+        print()
+        print(timing_line(gen), file=sys.stderr)
+    return 0

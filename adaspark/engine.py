@@ -1,0 +1,303 @@
+"""The decode loop: chat messages in, a greedy reply out, with stops, streaming and timing.
+
+One `Engine` owns a target `Transformer` (its KV cache holds the conversation so far) and the
+model's `Tokenizer`. A request renders the messages through the chat template, reuses the cached
+prefix it shares with the previous request, prefills the rest, then decodes. Plain decoding is
+the 1-row case of the target's verify path (row at depth 0, then commit it); the speculative
+arms of the paper's Algorithm 1 plug in as other `_decode_*` loops over the same `Reply`, which
+applies every stop (stop token, stop string, max tokens) token by token, so a round that accepts
+several tokens at once stops at exactly the same place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adaspark.errors import UserError
+from adaspark.model.sources import resolve_model
+from adaspark.model.tokenizer import StreamDecoder, Tokenizer
+from adaspark.scheduler.round import Arm
+from adaspark.speculative import Speculator, load_speculator
+
+TextCallback = Callable[[str], None]
+StopRequest = Callable[[], bool]  # polled between forwards; True cancels the request
+_ONE_ROW_MASK = np.ones((1, 1), dtype=bool)
+
+
+@dataclass
+class Timing:
+    """Monotonic-clock timing of one request."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens already in the KV cache from the previous request
+    prefill_s: float = 0.0  # prefill of the new prompt tokens, up to the first reply token
+    decode_s: float = 0.0  # every forward after the first reply token
+    decode_tokens: int = 0  # reply tokens produced by those forwards
+    # decode rounds (speculative.py): a plain round verifies the anchor alone, without drafting
+    draft_rounds: int = 0
+    plain_rounds: int = 0
+    verified_rows: int = 0  # target rows verified, over all rounds
+    accepted_tokens: int = 0  # drafted tokens the reply took (bonus tokens excluded)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_width(self) -> float:
+        """Rows verified per round (1.0 for plain decoding)."""
+        rounds = self.draft_rounds + self.plain_rounds
+        return self.verified_rows / rounds if rounds else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "decode_tokens": self.decode_tokens, "decode_tok_s": self.decode_tok_s,
+                "draft_rounds": self.draft_rounds, "plain_rounds": self.plain_rounds,
+                "verified_rows": self.verified_rows, "accepted_tokens": self.accepted_tokens,
+                "mean_width": self.mean_width}
+
+
+@dataclass
+class Generation:
+    """One reply. `token_ids` excludes a stop token (kept in `stop_token_id`); `text` ends before
+    any stop string. finish_reason: "stop" (stop token or string), "length" (max tokens or the
+    context is full) or "cancelled" (should_stop said so)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    stop_token_id: int | None
+    timings: Timing = field(default_factory=Timing)
+
+
+class Reply:
+    """The reply under construction: applies stops token by token and streams safe text.
+
+    Text that might be the start of a stop string is held back from the stream until the next
+    tokens show it is not, so no text past a stop is ever streamed or returned.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (),
+                 on_text: TextCallback | None = None):
+        self._stop_ids = tokenizer.stop_ids
+        self._stops = [s for s in stop if s]
+        self._max_tokens = max_tokens
+        self._decoder: StreamDecoder = tokenizer.stream_decoder()
+        self._on_text = on_text
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._streamed = 0  # chars of self.text already given to on_text
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, token_id: int) -> bool:
+        """Take the next generated token; True when the reply is finished (stop or length)."""
+        assert not self.done, "push after the reply finished"
+        if token_id in self._stop_ids:
+            self.stop_token_id = token_id
+            return self._finish("stop")
+        self.token_ids.append(token_id)
+        before = len(self.text)
+        self.text += self._decoder.push(token_id)
+        if self._stops:
+            longest = max(len(s) for s in self._stops)
+            window_start = max(0, before - longest + 1)
+            hits = [i for s in self._stops if (i := self.text.find(s, window_start)) != -1]
+            if hits:
+                self.text = self.text[:min(hits)]
+                return self._finish("stop", flush=False)
+        if len(self.token_ids) >= self._max_tokens:
+            return self._finish("length")
+        self._stream(len(self.text) - self._held_back())
+        return False
+
+    def end(self, reason: str) -> None:
+        """End early: "length" when the context is full, "cancelled" when the caller asks."""
+        if not self.done:
+            self._finish(reason)
+
+    def _finish(self, reason: str, flush: bool = True) -> bool:
+        if flush:
+            self.text += self._decoder.flush()  # a dangling partial character, as decode() shows
+        self.finish_reason = reason
+        self._stream(len(self.text))
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        for n in range(min(len(self.text), max((len(s) for s in self._stops), default=0)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+    def _stream(self, upto: int) -> None:
+        if upto > self._streamed:
+            if self._on_text is not None:
+                self._on_text(self.text[self._streamed:upto])
+            self._streamed = upto
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Engine:
+    """A target model, its tokenizer, and the conversation held in its KV cache."""
+
+    def __init__(self, target: Any, tokenizer: Tokenizer, model_path: Path | None = None,
+                 speculator: Speculator | None = None):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.speculator = speculator  # None: plain decoding (the `ar` arm)
+        self._cached_ids: list[int] = []  # the tokens whose K/V sit in target.cache
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, precision: str = "fast",
+             device: str = "cpu", max_context: int | None = None, arm: str | None = None,
+             drafter: str | Path | None = None, store: str | Path | None = None,
+             fresh: bool = False, round_log: str | Path | None = None) -> Engine:
+        """Engine for `model` (a GGUF path; None = the embedded default). arm: ar, chain3, chain,
+        tree:N, cost, adaspark[:N] (None: adaspark when a drafter exists for the model, else ar);
+        drafter: a checkpoint directory (None: the shipped one); store: the learned store's
+        directory (None: the user cache); fresh: start from an empty store; round_log: a JSONL
+        file that gets one line per decode round (see speculative.py)."""
+        from adaspark.model.gguf import read_gguf
+        from adaspark.model.transformer import Transformer
+
+        if arm is not None:
+            Arm.parse(arm)  # a misspelt arm fails before the model loads
+        path = resolve_model(model)
+        gguf = read_gguf(path)  # parsed once, for the weights and the tokenizer
+        target = Transformer(gguf, precision=precision, device=device, max_context=max_context)
+        tokenizer = Tokenizer.from_gguf(gguf)
+        speculator = load_speculator(target, path, tokenizer.stop_ids, arm=arm, drafter=drafter,
+                                     store=store, fresh=fresh, round_log=round_log)
+        return cls(target, tokenizer, path, speculator)
+
+    @property
+    def context_length(self) -> int:
+        capacity = getattr(self.target.cache, "capacity", None)
+        return int(capacity if capacity is not None else self.target.config.context_length)
+
+    def reset(self) -> None:
+        """Forget the conversation (the next request prefills from scratch)."""
+        self.target.reset()
+        if self.speculator is not None:
+            self.speculator.reset()
+        self._cached_ids = []
+
+    def generate(self, prompt: Sequence[Mapping[str, Any]] | Sequence[int], *,
+                 tools: Sequence[Mapping[str, Any]] | None = None, max_tokens: int = 256,
+                 stop: Sequence[str] = (), on_text: TextCallback | None = None,
+                 should_stop: StopRequest | None = None,
+                 request_id: str | None = None) -> Generation:
+        """Greedy reply to chat messages (role/content dicts, rendered through the chat template
+        with `tools`) or to prompt token ids already rendered. `on_text` receives the reply text
+        as it is decoded; `should_stop` is polled between forwards to cancel."""
+        if prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
+        return self.generate_ids(ids, max_tokens=max_tokens, stop=stop, on_text=on_text,
+                                 should_stop=should_stop, request_id=request_id)
+
+    def generate_ids(self, prompt: Sequence[int], *, max_tokens: int = 256,
+                     stop: Sequence[str] = (), on_text: TextCallback | None = None,
+                     should_stop: StopRequest | None = None,
+                     request_id: str | None = None) -> Generation:
+        """Greedy continuation of prompt token ids (the chat template already applied).
+        request_id names the request in the round log."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise UserError("empty prompt")
+        if max_tokens < 1:
+            raise UserError(f"max_tokens must be at least 1, got {max_tokens}")
+        if len(prompt) > self.context_length:
+            raise UserError(f"prompt is {len(prompt)} tokens, longer than the model's context "
+                            f"of {self.context_length}")
+        reply = Reply(self.tokenizer, max_tokens, stop, on_text)
+        timing = Timing(prompt_tokens=len(prompt))
+        first = self._prefill(prompt, timing)
+        if self.speculator is None:
+            self._decode_plain(first, reply, timing, should_stop)
+        else:
+            self._decode_speculative(first, reply, timing, should_stop, request_id)
+        return Generation(text=reply.text, token_ids=reply.token_ids, prompt_token_ids=prompt,
+                          finish_reason=reply.finish_reason or "length",
+                          stop_token_id=reply.stop_token_id, timings=timing)
+
+    def _prefill(self, prompt: list[int], timing: Timing) -> int:
+        """Bring the cache to `prompt`, reusing the shared prefix; returns the first reply token."""
+        if self.target.cache.length != len(self._cached_ids):
+            self._cached_ids = []  # someone else moved the target's cache: trust none of it
+        # At least the last prompt token is run again: its logits give the first reply token.
+        keep = min(_common_prefix(self._cached_ids, prompt), len(prompt) - 1)
+        start = time.perf_counter()
+        try:
+            self.target.truncate(keep)
+            self._cached_ids = self._cached_ids[:keep]
+            if self.speculator is None:
+                out = self.target.prefill(prompt[keep:])
+            else:  # the drafter's cache follows the target's: the same kept prefix, then taps
+                out = self.target.prefill(prompt[keep:], tap_layers=self.speculator.tap_layers)
+                self.speculator.after_prefill(keep, out.hiddens)
+        except BaseException:
+            self.reset()  # the cache may hold part of the prompt: start the next request clean
+            raise
+        first = int(out.argmax[-1])
+        timing.prefill_s = time.perf_counter() - start
+        timing.reused_tokens = keep
+        self._cached_ids = list(prompt)
+        return first
+
+    def _decode_plain(self, token: int, reply: Reply, timing: Timing,
+                      should_stop: StopRequest | None) -> None:
+        """One token per target forward: verify a single row at depth 0, commit it."""
+        start = time.perf_counter()
+        while not reply.push(token):
+            if len(self._cached_ids) >= self.context_length:
+                reply.end("length")
+                break
+            if should_stop is not None and should_stop():
+                reply.end("cancelled")
+                break
+            out = self.target.verify([token], [0], _ONE_ROW_MASK)
+            self.target.commit([0])
+            self._cached_ids.append(token)
+            token = int(out.argmax[0])
+            timing.decode_tokens += 1
+            timing.plain_rounds += 1
+            timing.verified_rows += 1
+        timing.decode_s = time.perf_counter() - start
+
+    def _decode_speculative(self, token: int, reply: Reply, timing: Timing,
+                            should_stop: StopRequest | None, request_id: str | None) -> None:
+        """Algorithm 1's rounds (speculative.py); the same Reply applies every stop."""
+        counts = self.speculator.decode(token, reply, self._cached_ids, self.context_length,
+                                        should_stop, request_id)
+        timing.decode_s = counts.decode_s  # the store is saved after the reply, untimed
+        # tokens produced after the first, as plain decoding counts them (a stop token included)
+        produced = len(reply.token_ids) + (reply.stop_token_id is not None)
+        timing.decode_tokens = max(0, produced - 1)
+        timing.draft_rounds, timing.plain_rounds = counts.draft_rounds, counts.plain_rounds
+        timing.verified_rows, timing.accepted_tokens = counts.verified_rows, \
+            counts.accepted_tokens

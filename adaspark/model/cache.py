@@ -1,0 +1,54 @@
+"""Static KV cache: preallocated to the context, committed tokens in a contiguous prefix.
+
+A verify writes its n rows' K/V at slots length .. length+n-1 without advancing `length`;
+commit gathers the accepted rows into slots length .. length+len(path)-1 and advances it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adaspark.errors import UserError
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", batch: int = 1):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+        # zeros, not empty: masked-out slots still enter the reference attention as 0 * value
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0  # committed tokens (single-sequence use)
+
+    def check_room(self, rows: int) -> None:
+        if self.length + rows > self.capacity:
+            raise UserError(f"context full: {self.length} committed + {rows} new tokens exceed "
+                            f"the context of {self.capacity}")
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [batch, n_kv_heads, n, head_dim] into slots start .. start+n-1."""
+        n = k.shape[2]
+        self.k[layer, :, :, start:start + n] = k
+        self.v[layer, :, :, start:start + n] = v
+
+    def commit(self, rows: Sequence[int]) -> None:
+        """Move verified rows (indices from the last verify, root first) into the prefix."""
+        rows = [int(r) for r in rows]
+        self.check_room(max(rows, default=-1) + 1)
+        if rows != list(range(len(rows))):  # a path that is already in place moves nothing
+            src = torch.tensor(rows, device=self.k.device) + self.length
+            dst = slice(self.length, self.length + len(rows))
+            self.k[:, :, :, dst] = self.k.index_select(3, src)
+            self.v[:, :, :, dst] = self.v.index_select(3, src)
+        self.length += len(rows)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0

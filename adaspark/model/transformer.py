@@ -1,0 +1,505 @@
+"""The target model: llama / qwen2 / qwen3 blocks over a static KV cache, verifying trees.
+
+Read it top to bottom: `Block` is one decoder layer, `Transformer._forward` runs the rows of a
+call through all layers, and the public verbs are prefill / verify / commit (plus two batched
+causal paths used to make drafter training data).
+
+Layout choices:
+- RoPE rotates adjacent pairs (2i, 2i+1) of each head ("GPT-J" order). That is how llama GGUFs
+  store q/k (convert_hf_to_gguf permutes HF's half-split rows into pairs); qwen2/qwen3 GGUFs keep
+  HF's half split, so their q/k rows are permuted the same way at load. Attention scores are
+  unchanged: q and k share the permutation.
+- Precision "fast": float32 residual stream and norms; matmuls in bf16 activations with the
+  kernel chosen by row count (kernels.py); float32 KV cache and SDPA attention (bf16
+  attention's rounding follows the tree layout: a row would move ~1% with the tree's width).
+- Precision "reference": float32 throughout with gguf-dequantised weights, arithmetic laid out
+  so that a row's result does not depend on the other rows of the call (exact_linear,
+  exact_attention), which makes tree and chain verifies comparable bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from adaspark.errors import UserError
+from adaspark.model.cache import KVCache
+from adaspark.model.config import ModelConfig
+from adaspark.model.gguf import GGUFFile, GGUFTensor, read_gguf
+from adaspark.model.kernels import KernelTable, Linear, calibrated_table
+
+PRECISIONS = ("fast", "reference")
+DEFAULT_MAX_CONTEXT = 8192
+PREFILL_CHUNK = 512  # rows per forward when prefilling: bounds activation and mask memory
+
+
+@dataclass
+class ForwardOut:
+    argmax: torch.Tensor  # [n] int64: the target's greedy next token after each row
+    logits: torch.Tensor | None = None  # [n, vocab] float32, when asked for
+    hiddens: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, dim] float32
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+def _pair_rope_rows(t: GGUFTensor, n_heads: int) -> GGUFTensor:
+    """Reorder each head's output rows from HF's half split to adjacent pairs (as llama GGUFs
+    already are): row a*hd/2 + b goes to 2b + a. Rows are whole blocks, so this works on raw
+    quantised data too."""
+    rows = t.shape[0]
+    half = rows // n_heads // 2
+    order = np.arange(rows).reshape(n_heads, 2, half).transpose(0, 2, 1).reshape(-1)
+    return GGUFTensor(t.name, t.qtype, t.shape, t.data.reshape(rows, -1)[order])
+
+
+class Weights:
+    """Looks up GGUF tensors of one model, dequantised or as stored."""
+
+    def __init__(self, f: GGUFFile, config: ModelConfig, device: torch.device):
+        self.f, self.config, self.device = f, config, device
+        self.pair_rows = config.arch != "llama"
+
+    def raw(self, name: str, heads: int | None = None) -> GGUFTensor:
+        if name not in self.f.tensors:
+            raise UserError(f"GGUF lacks tensor {name}: not a complete "
+                            f"{self.config.arch} model")
+        t = self.f.tensors[name]
+        return _pair_rope_rows(t, heads) if heads and self.pair_rows else t
+
+    def dense(self, name: str, heads: int | None = None) -> torch.Tensor:
+        t = self.raw(name)
+        if heads and self.pair_rows:  # a bias or a per-head norm vector in rotary order
+            t = GGUFTensor(t.name, t.qtype, (t.shape[-1], 1), t.data)
+            t = _pair_rope_rows(t, heads)
+        return torch.from_numpy(t.dequantize().reshape(-1)).to(self.device)
+
+    def optional(self, name: str, heads: int | None = None) -> torch.Tensor | None:
+        return self.dense(name, heads) if name in self.f.tensors else None
+
+
+class Block:
+    """One decoder layer's weights."""
+
+    def __init__(self, w: Weights, i: int, precision: str):
+        c, dev = w.config, w.device
+        p = f"blk.{i}."
+        self.attn_norm = w.dense(p + "attn_norm.weight")
+        self.ffn_norm = w.dense(p + "ffn_norm.weight")
+        biases = [w.optional(p + "attn_q.bias", c.n_heads),
+                  w.optional(p + "attn_k.bias", c.n_kv_heads), w.optional(p + "attn_v.bias")]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        self.qkv = Linear([w.raw(p + "attn_q.weight", c.n_heads),
+                           w.raw(p + "attn_k.weight", c.n_kv_heads),
+                           w.raw(p + "attn_v.weight")], precision, dev, bias)
+        self.q_norm = w.optional(p + "attn_q_norm.weight", 1)  # qwen3, per head_dim
+        self.k_norm = w.optional(p + "attn_k_norm.weight", 1)
+        self.o = Linear([w.raw(p + "attn_output.weight")], precision, dev)
+        self.gate_up = Linear([w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")],
+                              precision, dev)
+        self.down = Linear([w.raw(p + "ffn_down.weight")], precision, dev)
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
+
+# --- arithmetic that differs by precision --------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, exact: bool) -> torch.Tensor:
+    if exact:  # HF's LlamaRMSNorm, operation for operation
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor, exact: bool):
+    """What `rope` multiplies by: (cos, sin) for exact arithmetic, else one complex tensor."""
+    return (cos, sin) if exact else torch.complex(cos, sin)
+
+
+def rope(x: torch.Tensor, rot, exact: bool) -> torch.Tensor:
+    """Rotate adjacent pairs of x [..., rows, heads, hd] by angles [..., rows, 1, hd/2]."""
+    pairs = x.unflatten(-1, (-1, 2))
+    if exact:  # the products and sums HF forms (q*cos + rotate_half(q)*sin), pair-ordered
+        cos, sin = rot
+        a, b = pairs[..., 0], pairs[..., 1]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+    return torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * rot).flatten(-2)
+
+
+def _pad_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Pad q [B, H, n, hd] with zero rows to a multiple of 4 (see kernels.exact_linear)."""
+    pad = -q.shape[2] % 4
+    return (F.pad(q, (0, 0, 0, pad)) if pad else q).contiguous(), q.shape[2] + pad
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """Masked softmax attention in float32 over slots [0, S): prefill and the batched paths.
+
+    q [B, H, n, hd]; k, v [B, KVH, S, hd]; mask [B, 1, n, S] bool. Query heads sharing a KV
+    head are stacked as the rows of one matmul."""
+    b, h, n, hd = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    q, rows = _pad_rows(q)
+    mask = F.pad(mask, (0, 0, 0, rows - n), value=True)
+    scores = (q.reshape(b, kvh, -1, hd) @ k.transpose(-1, -2)) * hd**-0.5
+    scores = scores.view(b, kvh, h // kvh, rows, s).masked_fill(~mask.unsqueeze(1), -math.inf)
+    probs = torch.softmax(scores, dim=-1).view(b, kvh, -1, s)
+    return (probs @ v).view(b, h, rows, hd)[:, :, :n]
+
+
+def exact_tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
+                         k_rows: torch.Tensor, v_rows: torch.Tensor,
+                         seen: torch.Tensor, seen_ok: torch.Tensor) -> torch.Tensor:
+    """Verify attention in float32 whose every row is computed the same whatever other rows
+    share the call: the tree part is summed term by term in ancestor order, so a chain's row
+    adds the same numbers in the same order inside any tree (a masked matmul would put its
+    ancestors in other vector lanes and round differently).
+
+    q [B, H, n, hd]; committed K/V [B, KVH, L, hd]; the rows' own K/V [B, KVH, n, hd];
+    seen [n, D] the rows each row attends to, ascending (itself last), valid where seen_ok."""
+    b, h, n, hd = q.shape
+    kvh, group = k_prefix.shape[1], h // k_prefix.shape[1]
+    q, rows = _pad_rows(q)
+    seen = F.pad(seen, (0, 0, 0, rows - n))
+    seen_ok = F.pad(seen_ok, (0, 0, 0, rows - n), value=True)  # pad rows see row 0: no NaN
+    scale = hd**-0.5
+    qg = q.view(b, kvh, group, rows, 1, hd)
+    tree_scores = (qg * k_rows[:, :, None, seen]).sum(-1) * scale  # [B, KVH, G, rows, D]
+    tree_scores = tree_scores.masked_fill(~seen_ok, -math.inf)
+    top = tree_scores.amax(-1)
+    prefix = k_prefix.shape[2] > 0
+    if prefix:
+        prefix_scores = (q.view(b, kvh, group * rows, hd) @ k_prefix.transpose(-1, -2)) * scale
+        prefix_scores = prefix_scores.view(b, kvh, group, rows, -1)
+        top = torch.maximum(top, prefix_scores.amax(-1))
+    weights = torch.exp(tree_scores - top[..., None])
+    values = v_rows[:, :, None, seen]  # [B, KVH, 1, rows, D, hd]
+    total = torch.zeros_like(top)
+    out = torch.zeros_like(qg[..., 0, :])
+    if prefix:
+        prefix_weights = torch.exp(prefix_scores - top[..., None])
+        total = prefix_weights.sum(-1)
+        out = (prefix_weights.view(b, kvh, group * rows, -1) @ v_prefix).view_as(out)
+    for d in range(seen.shape[1]):
+        total = total + weights[..., d]
+        out = out + weights[..., d, None] * values[..., d, :]
+    return (out / total[..., None]).view(b, h, rows, hd)[:, :, :n]
+
+
+def _seen_rows(ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the rows it sees in ascending order, as indices [n, D] and validity [n, D]."""
+    counts = ancestors.sum(1)
+    depth = int(counts.max())
+    order = torch.sort(ancestors.to(torch.int8), dim=1, descending=True, stable=True).indices
+    seen = order[:, :depth]
+    return seen, torch.arange(depth, device=seen.device)[None, :] < counts[:, None]
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+class Transformer:
+    def __init__(self, f: GGUFFile, precision: str = "fast", device: str = "cpu",
+                 max_context: int | None = None, calibrate: bool = True):
+        if precision not in PRECISIONS:
+            raise UserError(f"unknown precision {precision!r} (choose from {PRECISIONS})")
+        self.precision = precision
+        self.exact = precision == "reference"
+        self.device = torch.device(device)
+        embd = f.tensors.get("token_embd.weight")
+        self.config = c = ModelConfig.from_metadata(f.metadata, embd.shape[0] if embd else None)
+        w = Weights(f, c, self.device)
+        self.act_dtype = torch.float32 if self.exact else torch.bfloat16
+
+        self.tok_embeddings = torch.from_numpy(w.raw("token_embd.weight").dequantize()).to(
+            self.device)  # float32 for both precisions: lookups are cheap, the drafter reads it
+        self.layers = [Block(w, i, precision) for i in range(c.n_layers)]
+        self.norm = w.dense("output_norm.weight")
+        head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"  # tied
+        self.output = Linear([w.raw(head)], precision, self.device)
+        self.head_fp32 = self.tok_embeddings if head == "token_embd.weight" else None
+
+        capacity = max_context or min(c.context_length, DEFAULT_MAX_CONTEXT)
+        self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, torch.float32,
+                             self.device)
+        self._rope_tables(w.optional("rope_freqs.weight"), capacity)
+        self.kernels = self._kernel_table(f, calibrate)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, precision: str = "fast", device: str = "cpu",
+                  max_context: int | None = None, calibrate: bool = True) -> Transformer:
+        return cls(read_gguf(path), precision, device, max_context, calibrate)
+
+    def _rope_tables(self, freq_factors: torch.Tensor | None, capacity: int) -> None:
+        c = self.config
+        # HF's inv_freq expression, so reference cos/sin match transformers' float32 values
+        inv_freq = 1.0 / (c.rope_theta ** (
+            torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        if freq_factors is not None:  # llama-3 style long-context scaling, stored per frequency
+            inv_freq = inv_freq / freq_factors.cpu()
+        angles = torch.arange(capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.rope_cos = angles.cos().to(self.device)  # [capacity, hd/2]
+        self.rope_sin = angles.sin().to(self.device)
+
+    def _kernel_table(self, f: GGUFFile, calibrate: bool) -> KernelTable:
+        if self.exact or self.device.type != "cpu":
+            return KernelTable.only("bf16")  # reference ignores it; int4 packing is CPU-only
+        if not calibrate:
+            return KernelTable.default()
+        st = f.path.stat()
+        return calibrated_table(self.linears(), f"{f.path.name}|{st.st_size}|{st.st_mtime_ns}")
+
+    def linears(self) -> list[Linear]:
+        return [lin for block in self.layers for lin in block.linears()] + [self.output]
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings, float32 [..., dim]."""
+        return self.tok_embeddings[tokens.to(self.device)]
+
+    @torch.inference_mode()
+    def _forward(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                 slots: int | torch.Tensor, mask: torch.Tensor | None, span: int, kernel: str,
+                 tap_layers: Iterable[int], tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run rows through every layer. tokens, positions [B, n]; K/V go to slots start..+n-1
+        (an int) or, for one row per sequence, to per-sequence slots (a [B] tensor); rows attend
+        to cache slots [0, span) where mask [B, 1, n, span] allows (None: all of them).
+        Reference verifies pass `tree` (exact_tree_attention's seen, seen_ok) instead.
+        Returns the final-normed rows [B, n, dim] and the tapped residuals."""
+        c, exact, act = self.config, self.exact, self.act_dtype
+        b, n = tokens.shape
+        taps = set(tap_layers)
+        rot = rotation(self.rope_cos[positions].unsqueeze(-2),  # [B, n, 1, hd/2]
+                       self.rope_sin[positions].unsqueeze(-2), exact)
+        q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        x = self.tok_embeddings[tokens].view(b * n, c.dim)
+        hiddens = {}
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.norm_eps, exact).to(act)
+            qkv = layer.qkv(h, kernel).view(b, n, -1)
+            qk = qkv[..., :q_width + kv_width].float().unflatten(-1, (-1, c.head_dim))
+            if layer.q_norm is not None:
+                qk = torch.cat([rms_norm(qk[..., :c.n_heads, :], layer.q_norm, c.norm_eps, exact),
+                                rms_norm(qk[..., c.n_heads:, :], layer.k_norm, c.norm_eps, exact)],
+                               dim=-2)
+            qk = rope(qk, rot, exact).transpose(1, 2)  # [B, H+KVH, n, hd]
+            q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
+            v = qkv[..., q_width + kv_width:].float().unflatten(-1, (c.n_kv_heads, -1))
+            v = v.transpose(1, 2)
+            if isinstance(slots, int):
+                cache.write(i, slots, k, v)
+            else:
+                rows = torch.arange(b, device=slots.device)
+                cache.k[i, rows, :, slots] = k[:, :, 0]
+                cache.v[i, rows, :, slots] = v[:, :, 0]
+            keys, values = cache.k[i, :, :, :span], cache.v[i, :, :, :span]
+            if tree is not None:
+                start = span - n
+                attn = exact_tree_attention(q, keys[:, :, :start], values[:, :, :start], k, v,
+                                            *tree)
+            elif exact:
+                attn = exact_attention(q, keys, values, mask)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                      enable_gqa=True)
+            attn = attn.transpose(1, 2).reshape(b * n, q_width).to(act)
+            x = x + layer.o(attn, kernel).float()
+            h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact).to(act)
+            gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up, kernel).float()
+            if i in taps:
+                hiddens[i] = x.view(b, n, c.dim).clone()
+        return rms_norm(x, self.norm, c.norm_eps, exact).view(b, n, c.dim), hiddens
+
+    @torch.inference_mode()
+    def _head(self, rows: torch.Tensor, kernel: str, return_logits: bool) -> ForwardOut:
+        """LM head over final-normed rows [m, dim]."""
+        logits = self.output(rows.to(self.act_dtype), kernel).float()
+        if not self.exact:
+            logits = self._refine_top(rows, logits)
+        return ForwardOut(logits.argmax(-1), logits if return_logits else None)
+
+    def _refine_top(self, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Fast kernels round logits to bf16 (8 significant bits): near the top, ties and swaps
+        would decide the argmax. Recompute in float32 every logit within 2^-6 of the row's max
+        (at least two bf16 steps), so the argmax is a float32 one."""
+        top = logits.max(-1, keepdim=True).values
+        row, col = (logits >= top - top.abs() * 2**-6).nonzero().unbind(1)
+        weights = self.head_fp32[col] if self.head_fp32 is not None else \
+            self.output.bf16[col].float()
+        logits[row, col] = (rows[row] * weights).sum(-1)
+        return logits
+
+    def _tokens(self, tokens: Sequence[int]) -> torch.Tensor:
+        t = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.tok_embeddings.shape[0]):
+            raise UserError(f"token id out of range for a vocabulary of "
+                            f"{self.tok_embeddings.shape[0]}")
+        return t
+
+    def _rows(self, tokens: Sequence[int], depths: torch.Tensor, ancestors: torch.Tensor,
+              tap_layers: Iterable[int], kernel: str | None, exact_tree: bool = False):
+        """Forward rows at slots cache.length.. with the committed prefix fully visible."""
+        start, n = self.cache.length, len(depths)
+        self.cache.check_room(n)
+        span = start + n
+        mask = tree = None
+        if exact_tree:
+            tree = _seen_rows(ancestors)
+        elif n > 1 or self.exact:
+            mask = torch.zeros(n, span, dtype=torch.bool, device=self.device)
+            mask[:, :start] = True
+            mask[:, start:] = ancestors
+            mask = mask[None, None]
+        kernel = kernel or self.kernels.choose(n)
+        positions = (start + depths).to(self.device)[None]
+        x, hiddens = self._forward(self.cache, self._tokens(tokens)[None], positions, start,
+                                   mask, span, kernel, tap_layers, tree)
+        return x[0], {i: h[0] for i, h in hiddens.items()}, kernel
+
+    def prefill(self, tokens: Sequence[int], tap_layers: Iterable[int] = (), *,
+                return_logits: bool = False, kernel: str | None = None) -> ForwardOut:
+        """Append committed tokens; the last row's argmax (and logits), every row's taps."""
+        tokens = list(tokens)
+        if not tokens:
+            raise UserError("nothing to prefill: empty token list")
+        self.cache.check_room(len(tokens))
+        taps: dict[int, list[torch.Tensor]] = {}
+        for at in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[at:at + PREFILL_CHUNK]
+            n = len(chunk)
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            x, hiddens, used = self._rows(chunk, torch.arange(n), causal, tap_layers, kernel)
+            self.cache.length += n
+            for i, h in hiddens.items():
+                taps.setdefault(i, []).append(h)
+        out = self._head(x[-1:], used, return_logits)
+        out.hiddens = {i: torch.cat(parts) for i, parts in taps.items()}
+        return out
+
+    def verify(self, tokens: Sequence[int], depths: Sequence[int],
+               ancestor_mask: np.ndarray | torch.Tensor, tap_layers: Iterable[int] = (), *,
+               return_logits: bool = False, kernel: str | None = None) -> ForwardOut:
+        """Rows of a tree at slots cache.length+i, positions cache.length+depths[i]; row i sees
+        the committed context and rows j with ancestor_mask[i, j] (itself and its ancestors).
+        The cache length does not move: commit() keeps the accepted path."""
+        n = len(tokens)
+        depths_t = torch.as_tensor(np.asarray(depths), dtype=torch.long)
+        ancestors = torch.as_tensor(np.asarray(ancestor_mask), dtype=torch.bool,
+                                    device=self.device)
+        if n == 0 or depths_t.shape != (n,) or ancestors.shape != (n, n):
+            raise ValueError(f"verify needs n >= 1 tokens, n depths and an n x n mask; got "
+                             f"{n}, {tuple(depths_t.shape)}, {tuple(ancestors.shape)}")
+        x, hiddens, used = self._rows(tokens, depths_t, ancestors, tap_layers, kernel,
+                                      exact_tree=self.exact)
+        out = self._head(x, used, return_logits)
+        out.hiddens = hiddens
+        return out
+
+    def commit(self, rows: Sequence[int]) -> None:
+        self.cache.commit(rows)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    # --- batched causal paths (drafter training data) --------------------------------------------
+
+    def _batch_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, torch.float32,
+                       self.device, batch=batch)
+
+    def _padded(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in seqs)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
+        for row, s in enumerate(seqs):
+            tokens[row, :len(s)] = self._tokens(s)
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        return tokens, lengths
+
+    def _causal_batch(self, cache: KVCache, tokens: torch.Tensor, tap_layers: Iterable[int]):
+        """Right-padded sequences from slot 0: padding sits after each sequence's real tokens,
+        so causal attention keeps it out of them."""
+        b, t = tokens.shape
+        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]
+        positions = torch.arange(t, device=self.device).expand(b, t)
+        return self._forward(cache, tokens, positions, 0, mask, t,
+                             self.kernels.choose(b * t), tap_layers)
+
+    def generate_greedy_batch(self, prompts: list[list[int]], max_new_tokens: int,
+                              stop_ids: set[int]) -> list[list[int]]:
+        """Greedy continuations of several prompts at once (own batched cache, the model's
+        cache untouched); each stops after its first stop token (kept) or max_new_tokens."""
+        if not prompts or any(not p for p in prompts):
+            raise UserError("generate_greedy_batch needs non-empty prompts")
+        tokens, lengths = self._padded(prompts)
+        cache = self._batch_cache(len(prompts), tokens.shape[1] + max_new_tokens)
+        x, _ = self._causal_batch(cache, tokens, ())
+        last = x[torch.arange(len(prompts)), lengths - 1]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        kernel = self.kernels.choose(len(prompts))
+        for _ in range(max_new_tokens):
+            nxt = self._head(last, kernel, False).argmax
+            for row, tok in enumerate(nxt.tolist()):
+                if not done[row]:
+                    outputs[row].append(tok)
+                    done[row] = tok in stop_ids or len(outputs[row]) >= max_new_tokens
+            if all(done):
+                break
+            span = int(lengths.max()) + 1
+            slot_ids = torch.arange(span, device=self.device)
+            mask = (slot_ids[None, :] <= lengths[:, None])[:, None, None]  # [B, 1, 1, span]
+            x, _ = self._forward(cache, nxt[:, None], lengths[:, None], lengths, mask, span,
+                                 kernel, ())
+            last = x[:, 0]
+            lengths = lengths + 1
+        return outputs
+
+    def hidden_states_batch(self, sequences: list[list[int]], tap_layers: Iterable[int], *,
+                            return_logits: bool = False,
+                            max_rows: int = 4096) -> list[dict]:
+        """Causal forward over whole sequences: per sequence {layer: [len, dim]} float32
+        residuals after that layer; with return_logits also "logits" [len, vocab] float32 and
+        "argmax" [len] (the target's next token after each position)."""
+        tap_layers = list(tap_layers)
+        results: list[dict] = []
+        group: list[list[int]] = []
+        for seq in [*sequences, None]:  # None flushes the last group
+            if seq is not None and (not group or
+                                    (len(group) + 1) * max(map(len, [*group, seq])) <= max_rows):
+                group.append(seq)
+                continue
+            if group:
+                results.extend(self._hidden_group(group, tap_layers, return_logits))
+            group = [seq] if seq is not None else []
+        return results
+
+    def _hidden_group(self, seqs: list[list[int]], tap_layers: list[int],
+                      return_logits: bool) -> list[dict]:
+        if any(not s for s in seqs):
+            raise UserError("hidden_states_batch needs non-empty sequences")
+        tokens, lengths = self._padded(seqs)
+        if tokens.shape[1] > self.cache.capacity:
+            raise UserError(f"sequence of {tokens.shape[1]} tokens exceeds the context of "
+                            f"{self.cache.capacity}")
+        cache = self._batch_cache(len(seqs), tokens.shape[1])
+        x, hiddens = self._causal_batch(cache, tokens, tap_layers)
+        out = []
+        for row, n in enumerate(lengths.tolist()):
+            item: dict = {i: h[row, :n] for i, h in hiddens.items()}
+            if return_logits:
+                head = self._head(x[row, :n], self.kernels.choose(n), True)
+                item["logits"], item["argmax"] = head.logits, head.argmax
+            out.append(item)
+        return out

@@ -1,0 +1,28 @@
+"""Shared fixtures: the embedded default model, loaded once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from adaspark.model.sources import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_path):
+    """float32 reference precision, a short context to keep the exact attention cheap."""
+    from adaspark.model.transformer import Transformer
+
+    return Transformer.from_gguf(model_path, precision="reference", max_context=512)
+
+
+@pytest.fixture(scope="session")
+def fast_model(model_path):
+    """Fast kernels with the documented kernel table (tests pick kernels explicitly)."""
+    from adaspark.model.transformer import Transformer
+
+    return Transformer.from_gguf(model_path, precision="fast", max_context=512, calibrate=False)

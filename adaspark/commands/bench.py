@@ -1,0 +1,70 @@
+"""`adaspark bench`: the paper's evaluation protocol against our server's arms or any URL."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from adaspark.bench.conversations import load_conversations, short_subset
+from adaspark.bench.runner import run_bench
+from adaspark.bench.servers import parse_external, plan_arms
+from adaspark.errors import UserError
+
+DEFAULT_CONVERSATIONS = "/work/shared/data/eval/conversations.jsonl"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=Path, default=Path(DEFAULT_CONVERSATIONS),
+                        help="conversations JSONL (default: %(default)s)")
+    parser.add_argument("--arms", default="",
+                        help="comma-separated: ar, chain3, chain, tree:N, cost, adaspark, "
+                             "adaspark:N, or a --url name; adaspark runs first and again last")
+    parser.add_argument("--url", action="append", default=[], metavar="NAME=URL",
+                        help="an external OpenAI-compatible server as an arm (repeatable)")
+    parser.add_argument("--cap", type=int, default=1024, help="max tokens per reply")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"),
+                        help="results directory; an existing one is resumed")
+    parser.add_argument("--subset", choices=["short"],
+                        help="short: first two turns of the first conversation of each source")
+    parser.add_argument("--once", action="store_true",
+                        help="run adaspark once instead of before and after the other arms")
+    parser.add_argument("--serve-args", default="",
+                        help="extra arguments for every `adaspark serve` (e.g. '--model PATH')")
+    parser.add_argument("--health-timeout", type=float, default=600.0,
+                        help="seconds to wait for a started server's /health")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds, so the arm's server is stopped on the way out
+
+
+def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.cap < 1:
+        raise UserError("--cap must be at least 1")
+    external = parse_external(args.url)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms and not external:
+        raise UserError("no arms: give --arms and/or --url NAME=URL")
+    runs = plan_arms(arms, external, repeat_adaspark=not args.once)
+    conversations = load_conversations(args.conversations)
+    if args.subset == "short":
+        conversations = short_subset(conversations)
+    out = run_bench(
+        conversations,
+        runs,
+        args.out,
+        cap=args.cap,
+        conversations_path=args.conversations,
+        subset=args.subset,
+        serve_args=shlex.split(args.serve_args),
+        health_timeout_s=args.health_timeout,
+        argv=["adaspark", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else None,
+        progress=not args.no_progress,
+    )
+    print(f"results in {out}; tables: adaspark report {out}")
+    return 0

@@ -13,11 +13,16 @@ Timing lives here, never in tests.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
-import numpy as np
-import torch
+# Idle OpenMP threads sleep instead of spinning: on cores shared with other processes, spinning
+# threads wait on each other for a whole scheduler slice (2 threads ran ~10x slower than 1).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from adaspark.model.kernels import KERNELS, LADDER
 from adaspark.model.sources import resolve_model
@@ -81,9 +86,10 @@ def main() -> None:
     start = time.perf_counter()
     model = Transformer.from_gguf(resolve_model(args.model), precision="fast",
                                   max_context=max(contexts) + max(widths))
-    print(f"loaded (and calibrated, first time only) in {time.perf_counter() - start:.1f} s; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("kernel table:", " ".join(f"{n}:{k}" for n, k in model.kernels.best.items()))
+    print(f"loaded in {time.perf_counter() - start:.1f} s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    print(f"kernel table ({model.kernels.source}):",
+          " ".join(f"{n}:{k}" for n, k in model.kernels.best.items()))
 
     model.prefill([(11 * i) % 1000 + 100 for i in range(max(contexts))])
     for ctx in contexts:  # descending, so one prefill serves every context

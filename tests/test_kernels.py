@@ -62,6 +62,7 @@ def test_kernel_table_covers_every_width():
 
 def test_calibration_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     linears = [Linear([quantised(Q.Q4_1, 64, 64)], "fast", torch.device("cpu"))]
     measured = kernels.calibrated_table(linears, "toy-model")
     assert set(measured.best.values()) <= {"int4", "bf16"}
@@ -82,3 +83,11 @@ def test_crossover_is_placed_where_the_ladder_costs_least():
     assert table == {1: "int4", 2: "int4", 4: "int4", 8: "bf16", 16: "bf16", 32: "bf16"}
     table = kernels.crossover_table({"int4": int4 | {8: 20.0}, "bf16": bf16})
     assert table[8] == "int4" and table[16] == "bf16"
+
+
+def test_a_busy_machine_gets_the_default_table_and_nothing_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    linears = [Linear([quantised(Q.Q4_1, 64, 64)], "fast", torch.device("cpu"))]
+    assert kernels.calibrated_table(linears, "toy-model").best == KernelTable.default().best
+    assert not (tmp_path / "adaspark" / "kernels").exists()

@@ -6,8 +6,8 @@ Kernels ("fast" precision on a CPU):
         split exactly into two 4-bit planes, q = 16*hi + lo, laid side by side along the input
         so one int4 call computes them (the tied LM head is Q8_0; a per-channel int8 requant
         flips ~4% of argmaxes, this split only rounds the block scales to bf16).
-  bf16  dense bf16 weights (AVX-512 bf16 / AMX matmul): flat cost up to ~16 rows, so it wins
-        for wide verifies.
+  bf16  dense bf16 weights (oneDNN: AVX-512 bf16 here, AMX where the CPU has it): a nearly
+        flat cost up to ~16 rows, so it wins for wide verifies.
 Reference precision keeps float32 weights dequantised by the gguf package.
 
 The int4 cost grows with rows and bf16 barely does, so each row count has one fastest kernel:
@@ -39,6 +39,7 @@ LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Used when calibration is off: whole-model matmuls measured on the project's 2-core AVX-512
 # machine: int4 7.8 ms at 1 row, 11.2 at 4, 34.9 at 16; bf16 ~30 ms flat to 16 rows.
 DEFAULT_INT4_MAX_ROWS = 12
+CALIBRATION_VERSION = "2"  # part of the cache key: a new rule never reads an old answer
 
 
 # --- repacking GGUF blocks ---------------------------------------------------------------------
@@ -149,17 +150,20 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
 class KernelTable:
     """The fastest kernel for each verify width; rows past the ladder's top use bf16."""
 
-    def __init__(self, best: dict[int, str], times_ms: dict[str, dict[int, float]] | None = None):
+    def __init__(self, best: dict[int, str], times_ms: dict[str, dict[int, float]] | None = None,
+                 source: str = "given"):
         self.best = dict(sorted(best.items()))
         self.times_ms = times_ms or {}
+        self.source = source  # how it was chosen, for benchmark and log lines
 
     @classmethod
-    def default(cls) -> KernelTable:
-        return cls({n: "int4" if n <= DEFAULT_INT4_MAX_ROWS else "bf16" for n in LADDER})
+    def default(cls, source: str = "default table") -> KernelTable:
+        return cls({n: "int4" if n <= DEFAULT_INT4_MAX_ROWS else "bf16" for n in LADDER},
+                   source=source)
 
     @classmethod
     def only(cls, kernel: str) -> KernelTable:
-        return cls({n: kernel for n in LADDER})
+        return cls({n: kernel for n in LADDER}, source=f"{kernel} only")
 
     def choose(self, rows: int) -> str:
         for n, kernel in self.best.items():
@@ -203,18 +207,23 @@ def measure_kernels(linears: Sequence[Linear], reps: int = 5,
 
 
 def calibrated_table(linears: Sequence[Linear], model_key: str) -> KernelTable:
-    """Measure once per (model, machine, torch, threads); later loads read the cached answer."""
-    machine = "|".join([platform.machine(), _cpu_name(), torch.__version__,
-                        str(torch.get_num_threads())])
+    """Measure once per (model, machine, torch, threads); later loads read the cached answer.
+
+    On a machine already busier than its cores (load average), timings say more about the
+    other processes than about the kernels: use the default table and measure another time."""
+    machine = "|".join([CALIBRATION_VERSION, platform.machine(), _cpu_name(),
+                        torch.__version__, str(torch.get_num_threads())])
     key = hashlib.sha256(f"{model_key}|{machine}".encode()).hexdigest()[:16]
     path = Path(user_cache_dir("adaspark")) / "kernels" / f"{key}.json"
     try:
         saved = json.loads(path.read_text())
         return KernelTable({int(n): k for n, k in saved["best"].items()},
                            {k: {int(n): t for n, t in v.items()}
-                            for k, v in saved["times_ms"].items()})
+                            for k, v in saved["times_ms"].items()}, f"calibration {path}")
     except (OSError, ValueError, KeyError):
         pass
+    if os.getloadavg()[0] > (os.cpu_count() or 1) - 0.5:
+        return KernelTable.default("default table (machine too busy to calibrate)")
     times = measure_kernels(linears)
     best = crossover_table(times)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,7 +231,7 @@ def calibrated_table(linears: Sequence[Linear], model_key: str) -> KernelTable:
     tmp.write_text(json.dumps({"machine": machine, "model": model_key, "best": best,
                                "times_ms": times}, indent=1))
     os.replace(tmp, path)
-    return KernelTable(best, times)
+    return KernelTable(best, times, f"measured now, saved to {path}")
 
 
 def _cpu_name() -> str:

@@ -263,7 +263,7 @@ class Transformer:
         """Input embeddings, float32 [..., dim]."""
         return self.tok_embeddings[tokens.to(self.device)]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: taps may later feed a drafter being trained
     def _forward(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                  slots: int | torch.Tensor, mask: torch.Tensor | None, span: int, kernel: str,
                  tap_layers: Iterable[int], tree: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -310,15 +310,15 @@ class Transformer:
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                       enable_gqa=True)
             attn = attn.transpose(1, 2).reshape(b * n, q_width).to(act)
-            x = x + layer.o(attn, kernel).float()
+            x += layer.o(attn, kernel)  # bf16 output added into the float32 stream
             h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact).to(act)
             gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up, kernel).float()
+            x += layer.down(F.silu(gate) * up, kernel)
             if i in taps:
                 hiddens[i] = x.view(b, n, c.dim).clone()
         return rms_norm(x, self.norm, c.norm_eps, exact).view(b, n, c.dim), hiddens
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _head(self, rows: torch.Tensor, kernel: str, return_logits: bool) -> ForwardOut:
         """LM head over final-normed rows [m, dim]."""
         logits = self.output(rows.to(self.act_dtype), kernel).float()

@@ -91,7 +91,7 @@ def test_law_prices_lowest_time_until_three_samples_then_clamps():
     for _ in range(300):            # a wild sample stream cannot price above 3x the lowest
         law.learn(500, 500.0)
     assert law.predict(500) <= 3.0 * 11.0 + 1e-9
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError):
         law.learn(500, -1.0)
 
 

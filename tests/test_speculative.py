@@ -226,7 +226,9 @@ def end_token_drafter(target, tok) -> Drafter:
         model.markov_w1.weight.fill_(1.0)
         model.markov_w2.weight.zero_()
         model.markov_w2.weight[0] = 1.0
-    return Drafter(model, target.embed, dtype=torch.float32)
+    drafter = Drafter(model, target.embed, dtype=torch.float32)
+    drafter.shortlist = len(ids)  # the Markov bias must reach eot, which no backbone logit ranks
+    return drafter
 
 
 def test_stop_token_inside_an_accepted_path(parts, copy_run):

@@ -3,7 +3,6 @@ import itertools
 import numpy as np
 import pytest
 
-from adaspark.errors import UserError
 from adaspark.scheduler.acceptance import AcceptanceModel
 from adaspark.scheduler.tree import (
     NGRAM,
@@ -124,9 +123,9 @@ def test_block_shape_and_features():
     assert tree.log_r[5] == -30.0  # floored
     assert tree.head_estimate[0] == 0.7
     assert tree.head_estimate[1] == pytest.approx(np.exp(1.0) / np.exp([2.0, 1.0, 0.0]).sum())
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError):
         CandidateTree.from_block(Block(np.array([6, 8]), ids, logits, np.ones(2) / 2), 4)
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError):
         CandidateTree.from_block(Block(ids[:, 0], ids, logits[:1], np.ones(2) / 2), 4)
 
 
@@ -152,7 +151,7 @@ def test_layout_is_depth_first_likeliest_child_first_with_ancestor_mask():
             expected[row, a] = True
             a = lay.parent_rows[a]
     assert np.array_equal(lay.mask, expected)
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError):
         layout(tree, [1])  # b without its parent a
 
 
@@ -169,5 +168,5 @@ def test_accept_walk():
     none = accept(lay, [42, 0, 0, 0, 0, 0, 0])
     assert none.nodes == [] and none.committed == [42] and none.rows == [0]
     assert accept(lay, [13, 0, 0, 0, 0, 0, 5]).committed == [13, 5]
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError):
         accept(lay, [1, 2])

@@ -156,7 +156,7 @@ class QuantileLaw:
     def learn(self, context: float, ms: float) -> None:
         ms = float(ms)
         if not (ms > 0.0 and math.isfinite(ms)):
-            raise UserError(f"a measured time must be a positive number of ms, got {ms!r}")
+            raise ValueError(f"a measured time must be a positive number of ms, got {ms!r}")
         band = self.bank.setdefault(context_band(context), [])
         band.append((float(context), ms))
         if len(band) > BANK_PER_BAND:
@@ -353,7 +353,7 @@ class CostModel:
     def price(self, width: int, context: float) -> float:
         candidates = [p for top, p in self._prices(context) if top >= width]
         if not candidates:
-            raise UserError(f"no measured width covers {width} rows")
+            raise ValueError(f"no measured width covers {width} rows")
         return min(candidates)
 
     def fixed_cost(self, context: float) -> float | None:

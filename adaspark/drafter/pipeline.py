@@ -1,0 +1,141 @@
+"""`adaspark train-drafter`: data -> vocabulary -> training -> temperature scaling -> checkpoint.
+
+Every stage leaves its result under the work directory and is skipped when it is already
+there, so the same command resumes a killed run:
+  WORK/data/train/shard_*.safetensors   target replies + hidden states (shard 0 is held out)
+  WORK/vocab.npy                        draft vocabulary (target ids)
+  WORK/train_state.pt                   model + optimiser + step
+  WORK/checkpoint/                      the exported drafter (config.json, model.safetensors)
+  WORK/train.log                        the log
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaspark.drafter import calibrate, vocab
+from adaspark.drafter.checkpoint import save_checkpoint
+from adaspark.drafter.model import DrafterConfig, DraftModel
+from adaspark.drafter.shards import read_shard, read_shards, shard_path
+from adaspark.drafter.train import TrainSettings, train, validation_loss
+from adaspark.errors import UserError
+
+log = logging.getLogger("adaspark.drafter")
+
+
+@dataclass
+class PipelineSettings:
+    work: Path
+    prompts: Path
+    n_prompts: int = 2048
+    max_new: int = 256
+    max_prompt_tokens: int = 512
+    per_shard: int = 128
+    vocab_size: int = 8192
+    taps: list[int] = field(default_factory=lambda: [1, 14, 27])
+    n_layers: int = 1
+    block_size: int = 7
+    markov_rank: int = 128
+    train: TrainSettings = field(default_factory=TrainSettings)
+    minutes: float | None = None  # stop training after this long (resume later)
+
+
+def setup_logging(work: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(work / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+def make_data(s: PipelineSettings, target, tokenizer) -> None:
+    from adaspark.drafter.data import generate_shards, load_prompt_items, select_prompts
+
+    items = load_prompt_items(s.prompts)
+    prompts = select_prompts(items, tokenizer, s.n_prompts, s.train.seed, s.max_prompt_tokens)
+    generate_shards(target, tokenizer, prompts, s.work / "data" / "train", s.taps,
+                    s.max_new, s.per_shard)
+
+
+def load_data(work: Path, taps: list[int]):
+    """-> training sequences, held-out sequences (shard 0), index of `taps` in the hiddens."""
+    seqs, _ = read_shards(work / "data" / "train", taps)
+    n_val = len(read_shard(shard_path(work / "data" / "train", 0))[0])
+    if n_val == len(seqs):
+        raise UserError("training needs at least two data shards (shard 0 is held out)")
+    return seqs[n_val:], seqs[:n_val], list(range(len(taps)))
+
+
+def build_model(s: PipelineSettings, draft_ids: np.ndarray, embed, gguf=None) -> DraftModel:
+    ids = torch.from_numpy(draft_ids)
+    c = DrafterConfig(
+        target_layers=list(s.taps), draft_vocab_size=len(ids), dim=embed.embedding_dim,
+        block_size=s.block_size, n_layers=s.n_layers, markov_rank=s.markov_rank,
+    )
+    torch.manual_seed(s.train.seed)
+    with torch.no_grad():
+        model = DraftModel(c, ids, embed(ids))
+        if gguf is not None and "output_norm.weight" in gguf.tensors:
+            # the head is the target's; start its norm where the target's final norm is
+            w = gguf.tensors["output_norm.weight"].dequantize()
+            model.norm.weight.copy_(torch.from_numpy(w))
+    return model
+
+
+def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
+                 out: Path | None = None) -> Path:
+    """Everything after the data stage; returns the exported checkpoint directory."""
+    t_start = time.time()
+    train_seqs, val_seqs, tap_index = load_data(s.work, s.taps)
+    log.info("data: %d training sequences, %d held out", len(train_seqs), len(val_seqs))
+    vocab_path = s.work / "vocab.npy"
+    if vocab_path.exists():
+        draft_ids = np.load(vocab_path)
+    else:
+        counts = vocab.reply_token_counts(train_seqs, fingerprint["vocab_size"])
+        draft_ids = vocab.build_draft_vocab(counts, s.vocab_size, stop_ids)
+        np.save(vocab_path, draft_ids)
+    cov = vocab.coverage(val_seqs, draft_ids)
+    log.info("draft vocabulary %d tokens, held-out reply coverage %.4f", len(draft_ids), cov)
+    model = build_model(s, draft_ids, embed, gguf)
+    state = s.work / "train_state.pt"
+    deadline = None if s.minutes is None else time.time() + 60 * s.minutes
+    quick_val = val_seqs[:32]  # a fixed slice keeps the periodic check to seconds
+
+    def held_out(m):
+        return validation_loss(m, embed, quick_val, tap_index)["loss"]
+
+    train(model, embed, train_seqs, tap_index, s.train, state_path=state, deadline=deadline,
+          held_out=held_out)
+    st = torch.load(state, weights_only=False) if state.exists() else {"step": 0}
+    step = int(st["step"])
+    best_step = (st.get("best") or {}).get("step", step)
+    val = validation_loss(model, embed, val_seqs, tap_index)
+    log.info("validation (weights of step %d): %s", best_step, val)
+    z, correct, reached = calibrate.chain_rows(model, embed, val_seqs, tap_index)
+    temps = calibrate.fit_temperatures(z, correct, reached)
+    ece_before = calibrate.ece(z, correct, reached, np.ones_like(temps))
+    ece_after = calibrate.ece(z, correct, reached, temps)
+    with torch.no_grad():
+        model.temperature.copy_(torch.from_numpy(temps).float())
+    log.info("STS temperatures %s; held-out ECE %.4f -> %.4f", temps.round(3).tolist(),
+             ece_before, ece_after)
+    info = {
+        "steps": step, "weights_from_step": best_step, "train_sequences": len(train_seqs),
+        "heldout_sequences": len(val_seqs),
+        "train_reply_tokens": int(sum(x.reply_len for x in train_seqs)),
+        "settings": {k: v for k, v in s.train.__dict__.items()},
+        "vocab_coverage_heldout": cov, "validation": val,
+        "ece_heldout_before": ece_before, "ece_heldout_after": ece_after,
+        "export_seconds": round(time.time() - t_start, 1),
+    }
+    out = out or s.work / "checkpoint"
+    save_checkpoint(out, model, fingerprint, info)
+    log.info("checkpoint written to %s", out)
+    return out

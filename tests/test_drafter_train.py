@@ -1,0 +1,120 @@
+"""Drafter training: shards round-trip, the draft vocabulary, and a tiny run lowers the loss."""
+
+import numpy as np
+import pytest
+import torch
+from test_drafter_model import DIM, V_TARGET, tiny
+
+from adaspark.drafter.loss import dspark_loss, make_batch
+from adaspark.drafter.shards import Sequence, read_shards, shard_path, write_shard
+from adaspark.drafter.train import TrainSettings, train
+from adaspark.drafter.vocab import build_draft_vocab, coverage, reply_token_counts
+from adaspark.errors import UserError
+
+
+def synthetic(n_seqs=6, length=60, prompt=10, seed=0):
+    """Text that counts up by 2 (mod 80): each token's successor is fixed, the features carry
+    the current token, and the 'target' puts its mass on the true next token."""
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((V_TARGET, 2, DIM)).astype(np.float16)
+    seqs = []
+    for _ in range(n_seqs):
+        start = 2 * int(rng.integers(0, 40))
+        toks = ((start + 2 * np.arange(length)) % 80).astype(np.int32)
+        nxt = toks[prompt + 1 :]  # the target's next token at positions prompt..T-2
+        top_ids = np.stack([nxt, (nxt + 1) % V_TARGET, (nxt + 3) % V_TARGET], 1).astype(np.int32)
+        top_logits = np.tile(np.array([8.0, 1.0, 0.0], np.float16), (len(nxt), 1))
+        seqs.append(Sequence(toks, prompt, table[toks[:-1]], top_ids, top_logits))
+    return seqs
+
+
+def test_shards_round_trip(tmp_path):
+    seqs = synthetic(3)
+    write_shard(shard_path(tmp_path, 0), seqs[:2], [0, 2])
+    write_shard(shard_path(tmp_path, 1), seqs[2:], [0, 2])
+    back, taps = read_shards(tmp_path)
+    assert taps == [0, 2] and len(back) == 3
+    for a, b in zip(seqs, back, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.hidden, b.hidden)
+        np.testing.assert_array_equal(a.top_ids, b.top_ids)
+        assert a.prompt_len == b.prompt_len
+    # shards with different stored layers read as one when the wanted layers are named
+    write_shard(shard_path(tmp_path, 1), [seqs[2]], [2, 5])
+    with pytest.raises(UserError, match="taps layers"):
+        read_shards(tmp_path)
+    mixed, taps = read_shards(tmp_path, [2])
+    assert taps == [2]
+    np.testing.assert_array_equal(mixed[0].hidden[:, 0], seqs[0].hidden[:, 1])
+    np.testing.assert_array_equal(mixed[2].hidden[:, 0], seqs[2].hidden[:, 0])
+    with pytest.raises(UserError, match="lacks target layers"):
+        read_shards(tmp_path, [0])
+    shard_path(tmp_path, 1).write_bytes(b"junk")
+    with pytest.raises(UserError, match="unreadable"):
+        read_shards(tmp_path)
+
+
+def test_draft_vocab_keeps_stops_and_frequent_tokens():
+    seqs = synthetic(4)
+    counts = reply_token_counts(seqs, V_TARGET)
+    vocab = build_draft_vocab(counts, 20, always=[99, 98])
+    assert len(vocab) == 20 and {98, 99} <= set(vocab.tolist())
+    assert np.all(np.diff(vocab) > 0)
+    top = np.argsort(-counts, kind="stable")[:18]
+    assert set(top.tolist()) <= set(vocab.tolist())
+    assert coverage(seqs, np.arange(0, 80, 2)) == 1.0
+    assert coverage(seqs, np.array([98, 99])) == 0.0
+    with pytest.raises(UserError, match="draft vocabulary size"):
+        build_draft_vocab(counts, 2, always=[98, 99])
+
+
+def test_batch_labels_are_shifted_block_targets():
+    seq = synthetic(1)[0]
+    b = make_batch(seq, [0, 1], 4, 5, np.random.default_rng(0))
+    for n, a in enumerate(b.anchors.tolist()):
+        for k in range(4):
+            if b.valid[n, k]:
+                assert b.labels[n, k] == seq.tokens[a + k + 1]
+                assert b.block_prev[n, k] == seq.tokens[a + k]
+                assert b.top_ids[n, k, 0] == seq.tokens[a + k + 1]
+    assert b.taps.shape[0] == int(b.anchors.max())
+
+
+def test_tiny_training_run_lowers_loss(tmp_path):
+    model, embed = tiny()
+    seqs = synthetic()
+    taps = [0, 1]
+    rng = np.random.default_rng(5)
+    held = [make_batch(s, taps, 4, 16, rng) for s in seqs]
+
+    def held_loss():
+        with torch.no_grad():
+            return float(np.mean([float(dspark_loss(model, embed, b)[0]) for b in held]))
+
+    before = held_loss()
+    s = TrainSettings(steps=30, seqs_per_step=1, anchors_per_seq=16, lr=2e-2, warmup=3,
+                      bf16=False, save_every=20)
+    train(model, embed, seqs, taps, s, state_path=tmp_path / "state.pt", progress=False,
+          held_out=lambda m: held_loss())
+    after = held_loss()
+    assert after < 0.6 * before, (before, after)
+    best = torch.load(tmp_path / "state.pt", weights_only=False)["best"]
+    assert best["loss"] == pytest.approx(after)  # the model ends on its best held-out weights
+
+
+def test_resume_continues_where_it_stopped(tmp_path):
+    seqs, taps = synthetic(), [0, 1]
+    s = TrainSettings(steps=6, seqs_per_step=1, anchors_per_seq=8, lr=1e-2, warmup=2, bf16=False,
+                      save_every=3)
+    straight, embed = tiny()
+    train(straight, embed, seqs, taps, s, progress=False)
+    resumed, _ = tiny()
+    train(resumed, embed, seqs, taps, s, state_path=tmp_path / "st.pt", progress=False,
+          stop_after=3)  # as if the session were killed after step 3
+    resumed2, _ = tiny()  # a fresh process: the state file carries every trained weight
+    with torch.no_grad():
+        for p in resumed2.parameters():
+            p.zero_()
+    train(resumed2, embed, seqs, taps, s, state_path=tmp_path / "st.pt", progress=False)
+    for a, b in zip(straight.parameters(), resumed2.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -27,7 +27,7 @@ from adaspark.bench.stats import identical_replies, replies_by_arm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-EVAL = Path("/work/shared/data/eval/conversations.jsonl")
+EVAL = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
 PICK = {"spec_bench/81": 2, "toolace/1": 1}  # conversation -> turns kept (keeps the test short)
 # Plain decode twice: needs no drafter, and greedy decoding must give the same text both times.
 ARMS = "ar,ar#2"

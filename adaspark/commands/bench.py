@@ -13,7 +13,7 @@ from adaspark.bench.runner import run_bench
 from adaspark.bench.servers import parse_external, plan_arms
 from adaspark.errors import UserError
 
-DEFAULT_CONVERSATIONS = "/work/shared/data/eval/conversations.jsonl"
+DEFAULT_CONVERSATIONS = "../shared/data/eval/conversations.jsonl"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

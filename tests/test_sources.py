@@ -102,7 +102,7 @@ def test_cached_default_is_hashed_once_then_trusted(tmp_path, monkeypatch):
         shutil.copyfile(real, copy)
     assert sources.default_model_path(download=False) == copy  # hashes, writes the marker
     hashed = []
-    monkeypatch.setattr(sources, "_sha256", lambda p: hashed.append(p) or "")
+    monkeypatch.setattr(sources, "sha256_files", lambda p: hashed.append(p) or "")
     assert sources.default_model_path(download=False) == copy
     assert hashed == []  # the marker was trusted: no second 100 MB hash, no download
 

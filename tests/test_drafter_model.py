@@ -124,3 +124,35 @@ def test_observe_refuses_missing_tap():
     d = Drafter(model, embed)
     with pytest.raises(ValueError, match="tap layers"):
         d.observe({0: torch.zeros(3, DIM)})
+
+
+def test_every_anchor_of_a_training_batch_sees_what_the_runtime_sees():
+    """Training/inference alignment: for each anchor a of a multi-anchor batch (blocks masked
+    from each other, context cut at a), row 0 of the training forward equals the runtime
+    draft after observing target positions 0..a-1 and drafting from token a, and its label is
+    token a+1."""
+    from adaspark.drafter.loss import make_batch
+    from adaspark.drafter.shards import Sequence
+
+    model, embed = tiny()
+    T, P = 30, 6
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, V_TARGET, (T,), generator=g).numpy().astype(np.int32)
+    h = hiddens(T - 1, seed=4)
+    taps = torch.stack([h[t] for t in TAPS], -2).numpy().astype(np.float16)
+    top = np.zeros((T - 1 - P, 1), np.int32)
+    seq = Sequence(toks, P, taps, top, top.astype(np.float16))
+    b = make_batch(seq, [0, 1], model.c.block_size, 8, np.random.default_rng(0))
+    with torch.no_grad():
+        logits, conf = forward_batch(model, embed, b)
+    d = Drafter(model, embed, dtype=torch.float32)
+    h16 = {t: torch.from_numpy(taps[:, i].astype(np.float32)) for i, t in enumerate(TAPS)}
+    for n, a in enumerate(b.anchors.tolist()):
+        assert b.block_prev[n, 0] == toks[a] and b.labels[n, 0] == toks[a + 1]
+        d.reset()
+        d.observe({t: x[:a] for t, x in h16.items()})
+        block = d.draft(int(toks[a]))
+        top_v, top_i = logits[n, 0].topk(model.c.topk)
+        np.testing.assert_array_equal(block.topk_ids[0], model.draft_ids[top_i].numpy())
+        np.testing.assert_allclose(block.topk_logits[0], top_v.numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(block.head[0], torch.sigmoid(conf[n, 0]).item(), rtol=1e-4)

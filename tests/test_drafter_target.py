@@ -85,3 +85,22 @@ def test_data_shards_from_target(target, tok, tmp_path):
     out = target.prefill(s.tokens.tolist(), tap_layers=TAPS, return_logits=False)
     got = torch.from_numpy(s.hidden[:, 1].astype(np.float32))
     torch.testing.assert_close(got, out.hiddens[14][: len(got)], rtol=2e-2, atol=2e-2)
+
+
+def test_shard_labels_are_the_targets_greedy_tokens(target, tok, tmp_path):
+    """The trainer's labels (the stored reply) and its TV target (the stored top-k) must be the
+    engine's own greedy choices over the engine's chat template, position by position: the
+    first drafter's bootstrap data (bf16 logits, its own template for tools) was not."""
+    item = {"prompt": "List three fruits.", "tools": [{"name": "get_time", "parameters": {}}]}
+    prompts = select_prompts([item], tok, 1, 0, 512, shuffle=False)
+    msgs = [{"role": "user", "content": item["prompt"]}]
+    assert prompts[0] == tok.encode_chat(msgs, item["tools"])
+    generate_shards(target, tok, prompts, tmp_path, TAPS, 8, per_shard=1, batch=1)
+    s = read_shards(tmp_path)[0][0]
+    P = s.prompt_len
+    np.testing.assert_array_equal(s.top_ids[:, 0], s.tokens[P + 1 :])
+    target.reset()
+    out = target.prefill(s.tokens[:-1].tolist())
+    assert int(out.argmax[-1]) == s.tokens[-1]
+    target.reset()
+    assert int(target.prefill(s.tokens[:P].tolist()).argmax[-1]) == s.tokens[P]

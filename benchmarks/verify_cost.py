@@ -17,12 +17,10 @@ import os
 import statistics
 import time
 
-# Idle OpenMP threads sleep instead of spinning: on cores shared with other processes, spinning
-# threads wait on each other for a whole scheduler slice (2 threads ran ~10x slower than 1).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+# OpenMP's default (spinning idle threads) is ~2x faster on a quiet machine than
+# OMP_WAIT_POLICY=PASSIVE, and ~2x slower on a busy one: benchmark on a quiet machine, as is.
+import numpy as np
+import torch
 
 from adaspark.model.kernels import KERNELS, LADDER
 from adaspark.model.sources import resolve_model

@@ -164,6 +164,16 @@ def test_plan_arms_runs_adaspark_before_and_after_the_others():
         parse_external(["llamacpp=localhost:8080"])
 
 
+def test_plan_arms_passes_plus_modifiers_to_the_server_as_commas():
+    runs = plan_arms(["ar", "adaspark+plain", "adaspark:4+no-ngram"], {}, repeat_adaspark=False)
+    assert [(r.label, r.arm) for r in runs] == [
+        ("ar", "ar"), ("adaspark+plain", "adaspark,plain"),
+        ("adaspark:4+no-ngram", "adaspark:4,no-ngram")]
+    assert runs[1].file_stem == "adaspark_plain"
+    with pytest.raises(UserError, match="unknown arm"):
+        plan_arms(["adaspark+fast"], {})
+
+
 def test_text_tool_calls_in_toolace_form():
     names = ["Market Trends API", "SEC Filings"]
     text = '[SEC Filings(identifier="aapl"), Market Trends API(trend_type="GAINERS")]'

@@ -22,7 +22,10 @@ from adaspark.errors import UserError
 
 ADASPARK = "adaspark"
 SECOND_RUN = "#2"  # label suffix of AdaSpark's second run (after the pinned arms)
-_ARM_PATTERN = re.compile(r"^(ar|chain3|chain|cost|adaspark|tree:\d+|adaspark:\d+)$")
+# an arm, optionally with the engine's modifiers joined by '+' (`adaspark+plain`), because
+# commas already separate the arms of --arms
+_MODIFIERS = r"(\+(head|no-ngram|ratio|no-hysteresis|plain))*"
+_ARM_PATTERN = re.compile(rf"^(ar|chain3|chain|cost|adaspark|tree:\d+|adaspark:\d+){_MODIFIERS}$")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ def plan_arms(
         if name not in external and not _ARM_PATTERN.match(base):
             raise UserError(
                 f"unknown arm {name!r}: expected ar, chain3, chain, tree:N, cost, adaspark, "
-                "adaspark:N or a name given with --url NAME=URL"
+                "adaspark:N (modifiers joined with '+': adaspark+plain) or a name given with "
+                "--url NAME=URL"
             )
     if len(set(names)) != len(names):
         raise UserError(f"an arm is listed twice in {','.join(names)}")
@@ -85,7 +89,7 @@ def plan_arms(
         if name in external:
             runs.append(ArmRun(label=name, arm=None, url=external[name]))
         else:
-            runs.append(ArmRun(label=name, arm=name.removesuffix(SECOND_RUN)))
+            runs.append(ArmRun(label=name, arm=name.removesuffix(SECOND_RUN).replace("+", ",")))
     return runs
 
 

@@ -21,7 +21,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="conversations JSONL (default: %(default)s)")
     parser.add_argument("--arms", default="",
                         help="comma-separated: ar, chain3, chain, tree:N, cost, adaspark, "
-                             "adaspark:N, or a --url name; adaspark runs first and again last")
+                             "adaspark:N (modifiers with '+': adaspark+plain), or a --url name; "
+                             "adaspark runs first and again last")
     parser.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                         help="an external OpenAI-compatible server as an arm (repeatable)")
     parser.add_argument("--cap", type=int, default=1024, help="max tokens per reply")

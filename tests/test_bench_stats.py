@@ -10,7 +10,7 @@ import pytest
 
 from adaspark.bench.conversations import Conversation, short_subset
 from adaspark.bench.runner import text_tool_calls
-from adaspark.bench.servers import parse_external, plan_arms
+from adaspark.bench.servers import file_stem, parse_external, plan_arms
 from adaspark.bench.stats import (
     BANDS,
     Reply,
@@ -170,6 +170,12 @@ def test_plan_arms_passes_plus_modifiers_to_the_server_as_commas():
         ("ar", "ar"), ("adaspark+plain", "adaspark,plain"),
         ("adaspark:4+no-ngram", "adaspark:4,no-ngram")]
     assert runs[1].file_stem == "adaspark_plain"
+
+
+def test_arm_file_stems_are_distinct():
+    labels = ["adaspark", "adaspark:2", "adaspark#2", "tree:2", "adaspark+plain",
+              "adaspark:2+plain"]
+    assert len({file_stem(a) for a in labels}) == len(labels)
     with pytest.raises(UserError, match="unknown arm"):
         plan_arms(["adaspark+fast"], {})
 

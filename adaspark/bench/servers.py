@@ -40,7 +40,10 @@ class ArmRun:
 
 
 def file_stem(label: str) -> str:
-    """An arm label as a file name: `adaspark:8` -> `adaspark_8`, `adaspark#2` -> `adaspark_2`."""
+    """An arm label as a file name, one per label: `adaspark:8` -> `adaspark_w8`,
+    `adaspark#2` -> `adaspark_run`, `adaspark+plain` -> `adaspark_plain` (so `adaspark:2` and
+    `adaspark#2` never share a store, log or round-log folder)."""
+    label = label.replace(":", "_w").replace(SECOND_RUN, "_run").replace("+", "_")
     return re.sub(r"[^A-Za-z0-9._-]", "_", label)
 
 

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from adaspark.bench.client import ChatClient
 from adaspark.errors import UserError
+from adaspark.scheduler.round import Arm
 
 ADASPARK = "adaspark"
 SECOND_RUN = "#2"  # label suffix of AdaSpark's second run (after the pinned arms)
 # an arm, optionally with the engine's modifiers joined by '+' (`adaspark+plain`), because
 # commas already separate the arms of --arms
-_MODIFIERS = r"(\+(head|no-ngram|ratio|no-hysteresis|plain))*"
+_MODIFIERS = "(\\+(" + "|".join(map(re.escape, Arm.MODIFIERS)) + "))*"
 _ARM_PATTERN = re.compile(rf"^(ar|chain3|chain|cost|adaspark|tree:\d+|adaspark:\d+){_MODIFIERS}$")
 
 

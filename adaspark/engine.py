@@ -39,9 +39,11 @@ class Timing:
     prefill_s: float = 0.0  # prefill of the new prompt tokens, up to the first reply token
     decode_s: float = 0.0  # every forward after the first reply token
     decode_tokens: int = 0  # reply tokens produced by those forwards
-    # decode rounds (speculative.py): a plain round verifies the anchor alone, without drafting
+    # decode rounds (speculative.py): a plain round verifies the anchor alone, without drafting;
+    # an n-gram round verifies a tree from the n-gram index alone (the draft gate)
     draft_rounds: int = 0
     plain_rounds: int = 0
+    ngram_rounds: int = 0
     verified_rows: int = 0  # target rows verified, over all rounds
     accepted_tokens: int = 0  # drafted tokens the reply took (bonus tokens excluded)
 
@@ -52,7 +54,7 @@ class Timing:
     @property
     def mean_width(self) -> float:
         """Rows verified per round (1.0 for plain decoding)."""
-        rounds = self.draft_rounds + self.plain_rounds
+        rounds = self.draft_rounds + self.plain_rounds + self.ngram_rounds
         return self.verified_rows / rounds if rounds else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
@@ -60,6 +62,7 @@ class Timing:
                 "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "decode_tokens": self.decode_tokens, "decode_tok_s": self.decode_tok_s,
                 "draft_rounds": self.draft_rounds, "plain_rounds": self.plain_rounds,
+                "ngram_rounds": self.ngram_rounds,
                 "verified_rows": self.verified_rows, "accepted_tokens": self.accepted_tokens,
                 "mean_width": self.mean_width}
 
@@ -299,5 +302,6 @@ class Engine:
         produced = len(reply.token_ids) + (reply.stop_token_id is not None)
         timing.decode_tokens = max(0, produced - 1)
         timing.draft_rounds, timing.plain_rounds = counts.draft_rounds, counts.plain_rounds
+        timing.ngram_rounds = counts.ngram_rounds
         timing.verified_rows, timing.accepted_tokens = counts.verified_rows, \
             counts.accepted_tokens

@@ -58,6 +58,7 @@ class RoundCounts:
 
     draft_rounds: int = 0
     plain_rounds: int = 0
+    ngram_rounds: int = 0  # tree rounds from the n-gram index alone (the draft gate)
     verified_rows: int = 0
     accepted_tokens: int = 0  # drafted tokens the reply took (bonus tokens excluded)
     decode_s: float = 0.0  # the rounds, without the request's end (refit, store save)
@@ -74,6 +75,7 @@ def round_record(record: dict, plan: Plan, arm: str, request: str | None) -> dic
         "pred_S": None if plan.chosen_by == "plain" else plan.predicted_S,
         "pred_T": plan.predicted_T_s, "cold": plan.chosen_by == "probe",
         "plain": plan.chosen_by == "plain", "chosen_by": plan.chosen_by,
+        "drafted": plan.drafted, "gate_bucket": record["gate_bucket"],
     }
     if plan._tree is not None and plan._layout is not None:
         nodes = plan._layout.nodes[1:]
@@ -166,14 +168,13 @@ class Speculator:
         sched, target = self.scheduler, self.target
         ctx = target.cache.length + 1  # committed tokens, the anchor included
         t0 = time.perf_counter()
-        plan = None
-        if sched.should_draft(ctx):
+        if sched.should_draft(ctx, self.stop_ids):
             drafted = self.drafter.draft(anchor)
             block = Block(drafted.picks, drafted.topk_ids, drafted.topk_logits, drafted.head)
             plan = sched.plan(block, ctx, self.stop_ids)
-            if plan.rows > room:  # the context cannot hold this tree: one row still fits
-                plan = None
-        if plan is None:
+        else:
+            plan = sched.plan_undrafted(ctx, self.stop_ids)
+        if plan.rows > room:  # the context cannot hold this tree: one row still fits
             plan = sched.plain(ctx)
         t1 = time.perf_counter()
         out = target.verify(plan.tokens, plan.depths, plan.mask, tap_layers=self.tap_layers)
@@ -204,8 +205,10 @@ class Speculator:
         record = sched.learn(outcome, t2 - t1, t1 - t0, commit_s, last_round=done)
         if plan.chosen_by == "plain":
             counts.plain_rounds += 1
-        else:
+        elif plan.drafted:
             counts.draft_rounds += 1
+        else:
+            counts.ngram_rounds += 1
         counts.verified_rows += plan.rows
         counts.accepted_tokens += min(len(outcome.tokens), len(emitted))
         self._write(round_record(record, plan, self.arm, request_id))

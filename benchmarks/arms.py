@@ -75,7 +75,7 @@ def run_conversation(engine: Engine, conv, max_tokens: int) -> list[dict]:
 def summary(replies: list[dict]) -> dict:
     tokens = sum(r["decode_tokens"] for r in replies)
     seconds = sum(r["decode_s"] for r in replies)
-    rounds = sum(r["draft_rounds"] + r["plain_rounds"] for r in replies)
+    rounds = sum(r["draft_rounds"] + r["plain_rounds"] + r["ngram_rounds"] for r in replies)
     return {"tok_s": tokens / seconds if seconds else 0.0, "tokens": tokens,
             "rounds": rounds, "plain": sum(r["plain_rounds"] for r in replies),
             "rows_per_round": sum(r["verified_rows"] for r in replies) / max(rounds, 1),

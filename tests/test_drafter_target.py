@@ -11,7 +11,7 @@ import torch
 from adaspark.drafter.data import generate_shards, select_prompts
 from adaspark.drafter.model import DrafterConfig, DraftModel
 from adaspark.drafter.runtime import Drafter
-from adaspark.drafter.shards import read_shards
+from adaspark.drafter.shards import read_shards, shard_path, shard_prompts
 from adaspark.model.sources import default_model_path
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
@@ -104,3 +104,23 @@ def test_shard_labels_are_the_targets_greedy_tokens(target, tok, tmp_path):
     assert int(out.argmax[-1]) == s.tokens[-1]
     target.reset()
     assert int(target.prefill(s.tokens[:P].tolist()).argmax[-1]) == s.tokens[P]
+
+
+def test_a_later_data_run_adds_new_prompts_from_chosen_sources(target, tok, tmp_path):
+    """A second data run (other sources, first_shard) numbers its shards after the first run's,
+    draws only from its sources and never repeats a prompt an earlier shard holds."""
+    items = [{"source": "code/a", "prompt": "Write a loop."},
+             {"source": "chat/b", "prompt": "Say hello."},
+             {"source": "chat/c", "prompt": "Name a colour."},
+             {"source": "chat/b", "prompt": "Count to three."}]
+    first = select_prompts(items[1:2], tok, 1, 0, 512, shuffle=False)
+    generate_shards(target, tok, first, tmp_path, TAPS, 4, per_shard=1, batch=1)
+    held = shard_prompts(tmp_path, below=1)
+    assert held == {tuple(first[0])}
+    later = select_prompts(items, tok, 10, 0, 512, sources=["chat/"], skip=held)
+    expected = {tuple(select_prompts([it], tok, 1, 0, 512)[0]) for it in (items[2], items[3])}
+    assert {tuple(p) for p in later} == expected  # no code prompt, no repeat of shard 0's
+    generate_shards(target, tok, later, tmp_path, TAPS, 4, per_shard=1, batch=1,
+                    first_shard=1)
+    assert all(shard_path(tmp_path, i).exists() for i in (0, 1, 2))
+    assert shard_prompts(tmp_path, below=3) == held | expected

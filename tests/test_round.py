@@ -226,3 +226,68 @@ def test_plain_rounds_replace_speculation_that_cannot_pay():
     late = rounds["adaspark,plain"][60:]
     assert late.count("plain") >= 0.9 * len(late)
     assert late.count("plain") < len(late)  # it keeps checking whether drafting pays again
+
+
+def gate_rounds(arm: str, drafter_right: bool, rounds: int = 160, text_period: int = 0):
+    """Rounds on a text that repeats with `text_period` (0: never), a drafter that is always or
+    never right, a draft forward as dear as a 2-row verify; -> (kinds, scheduler)."""
+    sched = Scheduler(arm)
+    period = text_period or 10**9
+    truth = [3 + (i % period if text_period else i) for i in range(20_000)]
+    prompt = truth[:300]
+    sched.begin_request(prompt)
+    context, kinds = len(prompt), []
+    for _ in range(rounds):
+        ahead = truth[context:context + 8]
+        if sched.should_draft(context):
+            picks = ahead[:3] if drafter_right else [50_000 + context + j for j in range(3)]
+            plan = sched.plan(make_block(picks), context)
+            fixed_s = 0.004
+        else:
+            plan = sched.plan_undrafted(context)
+            fixed_s = 0.0005
+        verify_s = 0.010 + 0.001 * plan.rows
+        outcome = sched.accept(plan, argmax_following(plan, truth[context:]))
+        sched.learn(outcome, verify_s, fixed_s, 0.0005)
+        context += len(outcome.committed)
+        kinds.append("drafted" if plan.drafted else plan.chosen_by)
+    return kinds, sched
+
+
+def test_gate_stops_drafting_where_the_ngram_index_does_better():
+    """A drafter that is never right, a text that repeats: the gate learns that undrafted
+    n-gram rounds are faster and runs them, drafting again now and then (exploration, and the
+    cost model's probes, which always draft)."""
+    kinds, sched = gate_rounds("adaspark,gate", drafter_right=False, text_period=40)
+    late = kinds[80:]
+    assert late.count("undrafted") >= 0.7 * len(late)
+    assert 0 < late.count("drafted") < 0.3 * len(late)
+    assert sched.gate.fixed_ms is not None and sched.gate.fixed_ms < 1.0
+    paper, _ = gate_rounds("adaspark", drafter_right=False, text_period=40)
+    assert set(paper) <= {"drafted"}  # without the modifier every round drafts
+
+
+def test_gate_keeps_drafting_a_drafter_that_pays():
+    kinds, _ = gate_rounds("adaspark,gate", drafter_right=True)
+    late = kinds[80:]
+    assert late.count("drafted") >= 0.8 * len(late)
+
+
+def test_gate_runs_plain_rounds_where_nothing_is_proposed():
+    """No repeats in the text and a useless drafter: the undrafted rounds are 1-row rounds."""
+    kinds, _ = gate_rounds("adaspark,gate", drafter_right=False)
+    late = kinds[80:]
+    assert late.count("plain") >= 0.8 * len(late)
+
+
+def test_gate_state_round_trips_and_old_stores_load():
+    _, sched = gate_rounds("adaspark,gate", drafter_right=False, rounds=80, text_period=40)
+    state = json.loads(json.dumps(sched.state_dict()))
+    restored = Scheduler("adaspark,gate")
+    restored.load_state_dict(state)
+    assert restored.gate.state_dict() == sched.gate.state_dict()
+    del state["gate"]  # a store written before the gate existed
+    Scheduler("adaspark,gate").load_state_dict(state)
+    state["gate"] = {"rates": [[0, 1.0]], "fixed_ms": None}
+    with pytest.raises(UserError, match="draft gate state"):
+        Scheduler("adaspark,gate").load_state_dict(state)

@@ -144,6 +144,29 @@ def test_fast_kernels_emit_the_argmax_of_each_verify_row(parts):
     assert accepted > 0  # some path went past the anchor, or the walk was not tested
 
 
+def test_gated_rounds_emit_the_ar_tokens_in_reference_precision(parts):
+    """The draft gate's undrafted rounds (n-gram trees, plain rows) next to drafted ones: a
+    scheduler warmed on a useless drafter and a repeating text prefers undrafted rounds."""
+    from test_round import gate_rounds
+
+    _, sched = gate_rounds("adaspark,gate", drafter_right=False, rounds=120, text_period=40)
+    sched.end_request()
+    ar = make_engine(parts, "ar")
+    ar0 = ar.generate(COPY, max_tokens=48)
+    ar1, ar2 = two_turns(ar)
+    target, tok, drafter, path = parts
+    engine = Engine(target, tok, path, Speculator(target, drafter, sched, tok.stop_ids))
+    engine.reset()
+    traces = traced(engine)
+    assert engine.generate(COPY, max_tokens=48).token_ids == ar0.token_ids
+    one, two = two_turns(engine)
+    assert (one.token_ids, two.token_ids) == (ar1.token_ids, ar2.token_ids)
+    assert (one.finish_reason, two.finish_reason) == (ar1.finish_reason, ar2.finish_reason)
+    kinds = {tr.plan.chosen_by for tr in traces}
+    assert "undrafted" in kinds, kinds
+    assert any(len(tr.outcome.tokens) > 0 for tr in traces if tr.plan.chosen_by == "undrafted")
+
+
 # --- stops inside an accepted path ------------------------------------------------------------
 def long_chunks(traces, reply_ids: list[int]):
     """Index in the reply of the first token of every round that took at least 3 tokens."""

@@ -260,6 +260,8 @@ class Report:
         add("rounds", lambda rs: f"{len(rs):,}")
         add("cold-start rounds", lambda rs: f"{sum(bool(r.get('cold')) for r in rs):,}")
         add("plain 1-row rounds", lambda rs: f"{sum(r.get('rows') == 1 for r in rs):,}")
+        add("n-gram tree rounds without the drafter (gate)", lambda rs: "{:,}".format(sum(
+            r.get("drafted") is False and r.get("rows", 1) > 1 for r in rs)))
         add("mean rows verified", lambda rs: _num(
             past_anchor(rs) / max(len(has(rs, "rows")), 1) + 1, 2))
         add("tokens per round", lambda rs: _num(

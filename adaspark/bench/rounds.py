@@ -32,6 +32,8 @@ Optional fields the report uses when present (Table 7, Figures 8-10):
 | ngram_widened    | bool  | the n-gram candidates moved the chooser to a wider width             |
 | cold             | bool  | a cold-start round at a width chosen for measurement, not by price   |
 | plain            | bool  | a 1-row round without drafting (width 1)                             |
+| drafted          | bool  | the drafter ran (false: a plain round or a draft-gated n-gram round) |
+| gate_bucket      | int   | the draft gate's bucket (n-gram evidence at the anchor; -1: none)    |
 """
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ def timing_line(gen: Generation) -> str:
     return (f"[{len(gen.prompt_token_ids)} prompt tokens ({t.reused_tokens} reused), prefill "
             f"{t.prefill_s * 1000:.0f} ms; {len(gen.token_ids)} reply tokens, decode "
             f"{t.decode_tok_s:.1f} tok/s; {gen.finish_reason}"
-            + (f"; {t.draft_rounds} draft + {t.plain_rounds} plain rounds, mean width "
-               f"{t.mean_width:.1f}, {t.accepted_tokens} drafted tokens accepted]"
-               if t.draft_rounds else "]"))
+            + (f"; {t.draft_rounds} draft + {t.ngram_rounds} n-gram + {t.plain_rounds} plain "
+               f"rounds, mean width {t.mean_width:.1f}, {t.accepted_tokens} drafted tokens "
+               f"accepted]" if t.draft_rounds + t.ngram_rounds else "]"))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

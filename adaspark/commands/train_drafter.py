@@ -22,6 +22,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-prompts", type=int, default=2048)
     p.add_argument("--max-new", type=int, default=256, help="reply length cap")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--sources", type=lambda v: [x for x in v.split(",") if x],
+                   help="draw prompts only from these sources (comma-separated prefixes)")
+    p.add_argument("--first-shard", type=int, default=0,
+                   help="number new data shards from here; prompts already in a shard are "
+                        "skipped (a later data run with other sources or lengths)")
+    p.add_argument("--data-only", action="store_true", help="stop after the data stage")
     p.add_argument("--skip-data", action="store_true",
                    help="train on the shards already in WORK/data/train; generate none")
     p.add_argument("--vocab-size", type=int, default=8192)
@@ -63,7 +69,8 @@ def run(args) -> int:
     tokenizer = Tokenizer.from_gguf(gguf)
     settings = pipeline.PipelineSettings(
         work=work, prompts=Path(args.prompts), n_prompts=args.n_prompts, max_new=args.max_new,
-        max_prompt_tokens=args.max_prompt_tokens, vocab_size=args.vocab_size, taps=args.taps,
+        max_prompt_tokens=args.max_prompt_tokens, sources=args.sources,
+        first_shard=args.first_shard, vocab_size=args.vocab_size, taps=args.taps,
         n_layers=args.layers, block_size=args.block, markov_rank=args.markov_rank,
         train=TrainSettings(steps=args.steps, seqs_per_step=args.seqs_per_step,
                             anchors_per_seq=args.anchors, lr=args.lr, seed=args.seed,
@@ -76,6 +83,8 @@ def run(args) -> int:
         target = Transformer.from_gguf(model_path)
         pipeline.make_data(settings, target, tokenizer)
         del target
+        if args.data_only:
+            return 0
     fingerprint = {"arch": config.arch, "n_layers": config.n_layers, "dim": config.dim,
                    "vocab_size": config.vocab_size, "model_file": model_path.name,
                    "sha256": model_sha256(model_path)}

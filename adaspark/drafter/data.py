@@ -4,7 +4,9 @@ Prompts come from a JSONL file ({"prompt", "system"?, "tools"?}), shuffled with 
 rendered with the target's chat template; prompts longer than `max_prompt_tokens` are skipped
 (a long prompt costs a whole padded batched prefill). Shard i holds prompts
 [i*per_shard, (i+1)*per_shard) of that order, so a run resumes at its first missing shard and
-a larger run extends a smaller one.
+a larger run extends a smaller one. A later data run can draw from other sources or longer
+prompts into shards numbered after the existing ones (`first_shard`); it skips every prompt that
+an existing shard already holds, so no reply is trained on twice.
 """
 
 from __future__ import annotations
@@ -46,14 +48,19 @@ def encode_item(tokenizer, item: dict) -> list[int]:
     return tokenizer.encode_chat(msgs, item.get("tools"))
 
 
-def select_prompts(items, tokenizer, n: int, seed: int, max_prompt_tokens: int, shuffle=True):
+def select_prompts(items, tokenizer, n: int, seed: int, max_prompt_tokens: int, shuffle=True,
+                   sources: list[str] | None = None, skip: set[tuple] | frozenset = frozenset()):
+    """The first n prompts (token ids) of the seeded order that fit max_prompt_tokens, come from
+    a source starting with one of `sources` (all when None) and are not in `skip`."""
     items = list(items)
+    if sources:
+        items = [it for it in items if str(it.get("source", "")).startswith(tuple(sources))]
     if shuffle:
         random.Random(seed).shuffle(items)
     out = []
     for item in items:
         ids = encode_item(tokenizer, item)
-        if len(ids) <= max_prompt_tokens:
+        if len(ids) <= max_prompt_tokens and tuple(ids) not in skip:
             out.append(ids)
         if len(out) == n:
             break
@@ -85,14 +92,16 @@ def sequences_from_target(target, prompts, replies, tap_layers, topk: int) -> li
 
 
 def generate_shards(target, tokenizer, prompts, out_dir: Path, tap_layers, max_new: int,
-                    per_shard: int = 128, batch: int = 32, topk: int = 32) -> None:
-    """Write every missing shard of `prompts` to out_dir (batched greedy on the target)."""
+                    per_shard: int = 128, batch: int = 32, topk: int = 32,
+                    first_shard: int = 0) -> None:
+    """Write every missing shard of `prompts` to out_dir (batched greedy on the target), the
+    first as shard number `first_shard`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n_shards = (len(prompts) + per_shard - 1) // per_shard
     stops = set(tokenizer.stop_ids)
     for i in tqdm(range(n_shards), desc="data shards", dynamic_ncols=True):
-        path = shard_path(out_dir, i)
+        path = shard_path(out_dir, first_shard + i)
         if path.exists():
             continue
         chunk = prompts[i * per_shard : (i + 1) * per_shard]
@@ -103,5 +112,5 @@ def generate_shards(target, tokenizer, prompts, out_dir: Path, tap_layers, max_n
             replies = target.generate_greedy_batch(ps, max_new, stops)
             seqs += sequences_from_target(target, ps, replies, tap_layers, topk)
         write_shard(path, seqs, list(tap_layers))
-        log.info("shard %d: %d sequences, %d reply tokens", i, len(seqs),
+        log.info("shard %d: %d sequences, %d reply tokens", first_shard + i, len(seqs),
                  sum(s.reply_len for s in seqs))

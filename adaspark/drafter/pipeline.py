@@ -37,6 +37,8 @@ class PipelineSettings:
     max_new: int = 256
     max_prompt_tokens: int = 512
     per_shard: int = 128
+    sources: list[str] | None = None  # prompt sources (prefixes) to draw from; None: all
+    first_shard: int = 0  # number the new shards from here (a later run with other sources)
     vocab_size: int = 8192
     taps: list[int] = field(default_factory=lambda: [1, 14, 27])
     n_layers: int = 1
@@ -56,11 +58,16 @@ def setup_logging(work: Path) -> None:
 
 def make_data(s: PipelineSettings, target, tokenizer) -> None:
     from adaspark.drafter.data import generate_shards, load_prompt_items, select_prompts
+    from adaspark.drafter.shards import shard_prompts
 
+    out_dir = s.work / "data" / "train"
     items = load_prompt_items(s.prompts)
-    prompts = select_prompts(items, tokenizer, s.n_prompts, s.train.seed, s.max_prompt_tokens)
-    generate_shards(target, tokenizer, prompts, s.work / "data" / "train", s.taps,
-                    s.max_new, s.per_shard)
+    # only the shards before this run's own, so a resumed run selects the same prompts
+    held = shard_prompts(out_dir, s.first_shard)
+    prompts = select_prompts(items, tokenizer, s.n_prompts, s.train.seed, s.max_prompt_tokens,
+                             sources=s.sources, skip=held)
+    generate_shards(target, tokenizer, prompts, out_dir, s.taps, s.max_new, s.per_shard,
+                    first_shard=s.first_shard)
 
 
 def load_data(work: Path, taps: list[int]):

@@ -85,6 +85,26 @@ def read_shard(path: Path) -> tuple[list[Sequence], list[int]]:
     return seqs, tap_layers
 
 
+def shard_prompts(work_dir: Path, below: int) -> set[tuple]:
+    """The prompts (token-id tuples) that shards 0..below-1 of a directory hold; reads only
+    the token arrays, not the hidden states."""
+    from safetensors import safe_open
+
+    held: set[tuple] = set()
+    for p in (shard_path(work_dir, i) for i in range(below)):
+        if not p.exists():
+            continue
+        try:
+            with safe_open(str(p), "np") as f:
+                tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+                prompt_lens = f.get_tensor("prompt_lens")
+        except Exception as err:
+            raise UserError(f"drafter data shard {p} is unreadable ({err}); delete it") from err
+        for start, plen in zip(offsets[:-1], prompt_lens, strict=True):
+            held.add(tuple(int(t) for t in tokens[int(start) : int(start) + int(plen)]))
+    return held
+
+
 def read_shards(work_dir: Path, taps: list[int] | None = None) -> tuple[list[Sequence], list[int]]:
     """All shards of a directory; with `taps`, each shard's hidden states cut to those layers in
     that order (shards written with different tap sets then read as one)."""

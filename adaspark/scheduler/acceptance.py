@@ -158,10 +158,15 @@ def design(tree: CandidateTree, context_len: int) -> tuple[np.ndarray, np.ndarra
     """Feature matrix X[N, N_COEF] and fixed offset[N] so that s = X @ w + offset + b_req."""
     B, K, N = tree.B, tree.K, tree.n_nodes
     D = B * K
-    if D == 0 or tree.n_drafter != D:
-        raise UserError("the acceptance model prices trees built by CandidateTree.from_block")
+    if tree.n_drafter != D or (D == 0 and N > 0 and tree.kind[0] != NGRAM):
+        raise UserError("the acceptance model prices trees built by CandidateTree.from_block "
+                        "or CandidateTree.undrafted")
     ctx = float(context_len) / CONTEXT_UNIT
     X = np.zeros((N, N_COEF))
+    if D == 0:  # an undrafted round: n-gram nodes only
+        X[:, 11] = ctx
+        X[np.arange(N), BUCKET0 + tree.bucket] = 1.0
+        return X, tree.logit_p.copy()
     # Drafter nodes are node i*K + k (k == 0 the pick): fill them as a [B, K, N_COEF] view.
     Xd = X[:D].reshape(B, K, N_COEF)
     lh = tree.logit_head[:D:K]

@@ -7,6 +7,8 @@ API (stable):
             offers: [(width, verify_ms)] ascending (CostModel.offers); s_drafter[k], s_ngram[k]:
             the drafter's and the n-gram's part of S over the first k candidates of the
             best-first order (index 0 is 0.0; width n reads index n − 1, capped at the end)
+        .best(offers, s_drafter, s_ngram, fixed_ms, context) -> (width, verify_ms)
+            the same score's best offer, no hysteresis, incumbent untouched (undrafted rounds)
         .tokens(width) -> float            expected tokens of `width` in the last choose()
         .value(width, verify_ms) -> float  the score it ranked by: V(n), or the ratio when cold
         .wins(width, verify_ms) -> bool    would `width` rows at that price beat the incumbent by
@@ -179,10 +181,7 @@ class Chooser:
             return score > RATIO_MARGIN * incumbent_score
         return score > incumbent_score + MARGIN * self._tokens(self.incumbent)
 
-    def choose(self, offers: Sequence[tuple[int, float]], s_drafter: Sequence[float],
-               s_ngram: Sequence[float], fixed_ms: float | None, context: float) -> int:
-        if self.pinned is not None:
-            return self.pinned
+    def _scores(self, offers, s_drafter, s_ngram, fixed_ms, context) -> dict[int, float]:
         if not offers:
             raise UserError("the chooser needs at least one offered width")
         if len(s_drafter) != len(s_ngram) or not s_drafter:
@@ -197,7 +196,23 @@ class Chooser:
             "gains_above": (self.above[0].value(context), self.above[1].value(context)),
             "gains_below": (self.below[0].value(context), self.below[1].value(context)),
         }
-        scores = {w: self.value(w, t) for w, t in offers}
+        return {w: self.value(w, t) for w, t in offers}
+
+    def best(self, offers: Sequence[tuple[int, float]], s_drafter: Sequence[float],
+             s_ngram: Sequence[float], fixed_ms: float | None, context: float,
+             ) -> tuple[int, float]:
+        """(width, verify_ms) of the best offer by the same score as choose(), without
+        hysteresis and without moving the incumbent (the draft gate's undrafted rounds)."""
+        scores = self._scores(offers, s_drafter, s_ngram, fixed_ms, context)
+        width = max(scores, key=lambda w: (scores[w], -w))
+        return width, dict(offers)[width]
+
+    def choose(self, offers: Sequence[tuple[int, float]], s_drafter: Sequence[float],
+               s_ngram: Sequence[float], fixed_ms: float | None, context: float) -> int:
+        if self.pinned is not None:
+            return self.pinned
+        scores = self._scores(offers, s_drafter, s_ngram, fixed_ms, context)
+        widths = [w for w, _ in offers]
         best = max(widths, key=lambda w: (scores[w], -w))       # ties go narrower
         if self.incumbent not in scores:
             # The first incumbent is the widest offered width, so the gains above n₀ can learn;

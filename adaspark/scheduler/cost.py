@@ -368,17 +368,22 @@ class CostModel:
         return None
 
     def observe(self, width: int, rows: int, context: float, verify_ms: float, fixed_ms: float,
-                teach: bool = True) -> None:
-        """Fold one round in. A request's first round runs cold: call it with teach=False."""
+                teach: bool = True, drafted: bool = True) -> None:
+        """Fold one round in. A request's first round runs cold: call it with teach=False.
+        An undrafted round (the draft gate's n-gram tree) teaches its verify time only: its D
+        is not the drafter's, and a narrow n-gram tree says nothing of the drafter's reach."""
         if not teach:
             return
-        predicted = self.fixed.predict(context) if self.fixed.fitted else None
-        if predicted is not None:
-            self.fixed_level.add(context, fixed_ms, predicted)
-        self.fixed.learn(context, fixed_ms)
+        if drafted:
+            predicted = self.fixed.predict(context) if self.fixed.fitted else None
+            if predicted is not None:
+                self.fixed_level.add(context, fixed_ms, predicted)
+            self.fixed.learn(context, fixed_ms)
         row_class = self._class_at(width)
         if row_class is None:
             return                          # a pinned or foreign width: not in the table
+        if rows < width and not drafted:
+            return
         if rows < width:
             # The tree was narrower than the width measured: the time is not this class's.
             if not row_class.measured:

@@ -4,10 +4,10 @@
     sched.load_state_dict(store.load() or {})        # learned state outlives requests only here
     sched.begin_request(committed_tokens)            # prompt (+ any token prefill committed)
     while decoding:
-        if sched.should_draft(context_length):       # False only for `ar` or a plain round
+        if sched.should_draft(context_length, stop_ids):   # False for `ar`, plain, gated
             plan = sched.plan(block, context_length, stop_ids)     # Algorithm 1, lines 3-12
         else:
-            plan = sched.plain(context_length)       # the 1-row round: the anchor alone
+            plan = sched.plan_undrafted(context_length, stop_ids)  # n-gram tree or 1 row
         argmax, verify_s = target.verify(plan.tokens, plan.depths, plan.mask)    # line 13
         outcome = sched.accept(plan, argmax)         # rows to commit, tokens, bonus (line 14)
         record = sched.learn(outcome, verify_s, fixed_s, commit_s, last_round)  # lines 15-18
@@ -17,7 +17,8 @@
 `Arm` selects the paper's arms with switches on one scheduler (see `Arm.parse`). Every decision
 and everything learned lives here and in the modules it drives: tree.py (candidates, order,
 layout, accept walk), ngram.py (the request's text), acceptance.py (q), cost.py (verify prices),
-chooser.py (the width). The engine owns tensors and clocks and hands in numbers only.
+chooser.py (the width), gate.py (whether to draft at all, modifier `gate`). The engine owns
+tensors and clocks and hands in numbers only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from adaspark.scheduler.acceptance import AcceptanceModel, Scored
 from adaspark.scheduler.bands import context_band
 from adaspark.scheduler.chooser import Chooser
 from adaspark.scheduler.cost import MEASUREMENTS, CostModel, QuantileLaw
+from adaspark.scheduler.gate import NO_PROPOSAL, DraftGate
 from adaspark.scheduler.ngram import NgramIndex, exploration_swap
 from adaspark.scheduler.tree import (
     NGRAM,
@@ -63,14 +65,15 @@ class Arm:
     ratio_rule: bool = False  # the per-round ratio instead of the long-run rate
     hysteresis: bool = True
     plain_rounds: bool = False  # skip drafting when a plain decode step is worth more
+    gate: bool = False  # per round, draft or plan from the n-gram index alone (gate.py)
 
     BASES = ("ar", "chain3", "chain", "tree:N", "cost", "adaspark", "adaspark:N")
-    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain")
+    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate")
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         """`ar`, `chain3`, `chain`, `tree:N`, `cost`, `adaspark`, `adaspark:N`, optionally with
-        comma-separated modifiers: head, no-ngram, ratio, no-hysteresis, plain."""
+        comma-separated modifiers: head, no-ngram, ratio, no-hysteresis, plain, gate."""
         base, *mods = [part.strip() for part in str(text).split(",")]
         name, _, width = base.partition(":")
         pinned = None
@@ -99,7 +102,7 @@ class Arm:
             raise UserError(f"unknown arm {base!r}; arms: {', '.join(cls.BASES)}")
         switches = {"head": {"fitted": False}, "no-ngram": {"ngram": False},
                     "ratio": {"ratio_rule": True}, "no-hysteresis": {"hysteresis": False},
-                    "plain": {"plain_rounds": True}}
+                    "plain": {"plain_rounds": True}, "gate": {"gate": True}}
         for mod in mods:
             if mod not in switches:
                 raise UserError(f"arm {text!r}: unknown modifier {mod!r}; "
@@ -118,12 +121,13 @@ class Plan:
     parents: np.ndarray  # int64[n] parent row, -1 for row 0
     mask: np.ndarray  # bool[n, n]: row i sees row j iff j is i or an ancestor of i
     width_chosen: int  # the width asked for (may exceed rows when the tree runs out)
-    chosen_by: str  # "chooser", "probe", "pinned", "chain" or "plain"
+    chosen_by: str  # "chooser", "probe", "pinned", "chain", "plain" or "undrafted"
     width_offered: list[int] = field(default_factory=list)
     predicted_S: float = 0.0  # expected accepted candidates of the verified tree
     predicted_T_s: float | None = None  # the cost model's price of the width (seconds)
     explored: bool = False  # the last row is an exploration row (§3.3)
     fitted_prices: bool = False  # the fitted acceptance model priced the tree
+    drafted: bool = True  # the drafter ran for this round (False: plain or undrafted)
     _tree: CandidateTree | None = field(default=None, repr=False)
     _scored: Scored | None = field(default=None, repr=False)
     _ranking: Ranking | None = field(default=None, repr=False)
@@ -178,6 +182,9 @@ class Scheduler:
         self._anchor: int | None = None  # the last committed token; None between requests
         self._round = 0  # rounds of this request
         self._plain_run = 0  # plain rounds in a row
+        self.gate = DraftGate()
+        self._bucket: int | None = None  # this round's gate bucket (None: the gate is off)
+        self._undrafted: CandidateTree | None = None  # the n-gram tree the gate looked at
         # host seconds per part of the round, summed (benchmarks/scheduler_overhead.py)
         self.part_times: dict[str, float] | None = {} if time_parts else None
 
@@ -203,6 +210,7 @@ class Scheduler:
         self.acceptance.begin_request()
         self._round = 0
         self._plain_run = 0
+        self._bucket, self._undrafted = None, None
 
     def end_request(self) -> int:
         """The end-of-request refit of the cost laws; returns how many refits were adopted."""
@@ -214,14 +222,25 @@ class Scheduler:
             raise ValueError("call begin_request() before planning a round")
 
     # ----- planning ----------------------------------------------------------------------
-    def should_draft(self, context_length: int) -> bool:
-        """Whether this round drafts at all; False means run `plain()` without the drafter.
+    def should_draft(self, context_length: int, stop_ids: Sequence[int] = ()) -> bool:
+        """Whether this round drafts at all; False means run `plan_undrafted()` instead.
 
         With plain rounds on, a round is plain when the band's long-run speculative rate is
         below a plain decode step's rate (V of Eq. 7 at width 1 beats every width when
-        1 - rho * T(1) > 0); the 1-row step is first measured like any width (3 rounds)."""
+        1 - rho * T(1) > 0); the 1-row step is first measured like any width (3 rounds).
+        With the gate on, the n-gram index's own tree at the anchor sets the round's bucket and
+        the gate picks the faster mode there (gate.py); a request's first round and the cost
+        model's probes always draft (a probe measures a width only the drafter can fill)."""
+        self._bucket, self._undrafted = None, None
         if not self.arm.draft:
             return False
+        if self.arm.gate:
+            if self._round == 0 or self.cost.probe() is not None:
+                return True
+            self._undrafted = self._ngram_tree(stop_ids)
+            tree = self._undrafted
+            self._bucket = int(tree.bucket[0]) // 3 if tree.n_nodes else NO_PROPOSAL
+            return self.gate.choose(self._bucket)
         if not self.arm.plain_rounds or self._round == 0 or self.cost.probe() is not None:
             return True
         if self.plain_law.samples < MEASUREMENTS:
@@ -240,7 +259,49 @@ class Scheduler:
         predicted = self.plain_law.predict(context_length)
         return Plan(int(context_length), tokens, zero, np.full(1, -1, dtype=np.int64),
                     np.ones((1, 1), dtype=bool), 1, "plain",
-                    predicted_T_s=None if predicted is None else predicted / 1000.0)
+                    predicted_T_s=None if predicted is None else predicted / 1000.0,
+                    drafted=False)
+
+    def _ngram_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
+        tree = CandidateTree.undrafted(self._anchor, stop_ids)
+        if self.index is not None:
+            self.index.chains(tree)
+        return tree
+
+    def plan_undrafted(self, context_length: int, stop_ids: Sequence[int] = ()) -> Plan:
+        """A round without the drafter: with the gate on, the n-gram index's tree at the anchor
+        priced and cut like any tree, a plain step (once measured) among the offers (the
+        undrafted round's own D, no hysteresis: it does not move the chooser's incumbent);
+        else, or when the index proposes nothing, plain()."""
+        self._need_request()
+        ctx = int(context_length)
+        if not self.arm.gate or not self.arm.draft:
+            return self.plain(ctx)
+        tree = self._undrafted if self._undrafted is not None else self._ngram_tree(stop_ids)
+        self._undrafted = None
+        offers = self.cost.offers(ctx)
+        if tree.n_nodes == 0 or not offers:
+            return self.plain(ctx)
+        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted)
+        ranking = rank(tree, scored.q)
+        if ranking.n_useful == 0:
+            return self.plain(ctx)
+        plain_ms = self.plain_law.predict(ctx)  # a weak proposal may not be worth a row
+        if plain_ms is not None:
+            offers = [(1, plain_ms), *offers]
+        width, price_ms = self.chooser.best(offers, ranking.S_drafter.tolist(),
+                                            ranking.S_ngram.tolist(), self.gate.fixed_ms, ctx)
+        if width == 1:
+            return self.plain(ctx)
+        kept = ranking.order[: min(width - 1, ranking.n_useful)]
+        lay = layout(tree, kept, anchor_token=self._anchor)
+        return Plan(
+            context_length=ctx, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
+            mask=lay.mask, width_chosen=int(width), chosen_by="undrafted",
+            width_offered=[w for w, _ in offers], predicted_S=float(ranking.Q[kept].sum()),
+            predicted_T_s=price_ms / 1000.0, fitted_prices=scored.fitted_prices, drafted=False,
+            _tree=tree, _scored=scored, _ranking=ranking, _layout=lay,
+        )
 
     def plan(self, block, context_length: int, stop_ids: Sequence[int] = ()) -> Plan:
         """Algorithm 1, lines 3-12: candidates, q, best-first order, width, depth-first rows.
@@ -358,6 +419,13 @@ class Scheduler:
             self._plain_run = 0
             self._learn_tree_round(outcome, record, first, last_round, verify_ms, fixed_ms,
                                    commit_ms)
+        if self._bucket is not None and not first:
+            if not plan.drafted:
+                self.gate.learn_fixed(fixed_ms)
+            if not last_round:
+                self.gate.learn(self._bucket, plan.drafted, len(outcome.tokens) + 1,
+                                fixed_ms + verify_ms + commit_ms)
+        record["drafted"], record["gate_bucket"] = plan.drafted, self._bucket
         if self.index is not None:
             t = self._start()
             self.index.extend(outcome.committed)
@@ -379,7 +447,7 @@ class Scheduler:
         t = self._start()
         # Line 15: the cost model, then a split where a width inside a class could win.
         self.cost.observe(plan.width_chosen, plan.rows, ctx, verify_ms, fixed_ms,
-                          teach=not first)
+                          teach=not first, drafted=plan.drafted)
         t = self._lap("learn cost", t)
         # Line 16: the band's rate and the gains, from what each prefix of the order accepted.
         position = np.empty(tree.n_nodes, dtype=np.int64)
@@ -412,7 +480,8 @@ class Scheduler:
         """Everything learned that outlives a request, JSON-able (for store.Store.save)."""
         return {"version": STATE_VERSION, "cost": self.cost.state_dict(),
                 "acceptance": self.acceptance.state_dict(),
-                "chooser": self.chooser.state_dict(), "plain": self.plain_law.state_dict()}
+                "chooser": self.chooser.state_dict(), "plain": self.plain_law.state_dict(),
+                "gate": self.gate.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore from state_dict(); an empty mapping (an empty store) changes nothing."""
@@ -426,5 +495,7 @@ class Scheduler:
             self.acceptance.load_state_dict(state["acceptance"])
             self.chooser.load_state_dict(state["chooser"])
             self.plain_law.load_state_dict(state["plain"])
+            if "gate" in state:  # stores saved before the gate existed have none
+                self.gate.load_state_dict(state["gate"])
         except KeyError as err:
             raise UserError(f"scheduler state is missing {err}") from None

@@ -8,6 +8,8 @@ API (stable; numpy only):
 
     CandidateTree.from_block(block, anchor: int, stop_ids=()) -> CandidateTree
         Drafter nodes only: node i*K + k is topk_ids[i, k] (k == 0: the pick, else a sibling).
+    CandidateTree.undrafted(anchor, stop_ids=()) -> CandidateTree
+        No drafter nodes (a round that skips the drafter); chains() then adds the anchor's.
         ngram.NgramIndex.chains(tree) appends n-gram nodes and marks agreed/contradicted nodes.
         Flat arrays over all N nodes (the anchor is not a node; parent -1 means the anchor;
         every parent precedes its children; drafter nodes come first):
@@ -166,6 +168,11 @@ class CandidateTree:
         tree = cls(anchor, B, K, arrays, stop_ids)
         tree._n_drafter = N
         return tree
+
+    @classmethod
+    def undrafted(cls, anchor: int, stop_ids=()) -> CandidateTree:
+        """No drafter nodes: a round planned from the n-gram chains alone (the draft gate)."""
+        return cls.from_parents([], [], anchor=anchor, stop_ids=stop_ids)
 
     @classmethod
     def from_parents(cls, parents, tokens, kinds=None, anchor: int = 0,

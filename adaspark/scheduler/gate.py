@@ -1,0 +1,93 @@
+"""The draft gate (our extension, arm modifier `gate`): before each round, draft or not.
+
+On a small CPU target the drafter forward is a large share of a round: on the project's 2-core
+machine one draft costs about a third of a plain decode step and each verified row an eighth,
+while the request's own text (the n-gram index) costs next to nothing to consult. A drafter
+right a third of the time then pays on some rounds and loses on others; which, depends mostly on
+what the n-gram index already proposes at the anchor. So before drafting, the scheduler asks the
+index alone; the evidence of its first proposal (strong copy, copy, follower seen twice, once,
+or nothing) is the round's bucket. Per bucket the gate keeps the achieved decode rate of
+drafted rounds and of undrafted ones (the n-gram tree alone, or a plain 1-row round where the
+index proposes nothing): decayed committed tokens over decayed round time, the rounds' own
+clocks with D included, as the chooser's band rate (§3.4). It runs the faster mode, and the
+slower one once every EXPLORE rounds of the bucket, so that a drafter or a text that changes is
+noticed; until both modes hold WARM rounds in a bucket it alternates.
+
+    gate = DraftGate()
+    gate.choose(bucket) -> bool                   True: draft this round
+    gate.learn(bucket, drafted, tokens, round_ms) after every round that teaches (not a
+                                                  request's first or a reply's last)
+    gate.fixed_ms                                 D of an undrafted round (planning alone), for
+                                                  the chooser's price of its widths
+    gate.state_dict() / load_state_dict(state)    JSON-able, exact round trip
+"""
+
+from __future__ import annotations
+
+from adaspark.errors import UserError
+from adaspark.scheduler.chooser import BandRate
+
+EXPLORE = 16  # rounds of a bucket in the faster mode before one round of the other
+FIXED_DECAY = 0.9  # the undrafted D's moving average (it is the plan alone: stable)
+NO_PROPOSAL = -1  # the bucket of a round whose anchor has no n-gram proposal
+
+
+class DraftGate:
+    """Per bucket, the drafted and the undrafted mode's decode rates (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.rates: dict[int, tuple[BandRate, BandRate]] = {}  # bucket -> (undrafted, drafted)
+        self.streak: dict[int, int] = {}  # bucket -> rounds in a row of its faster mode
+        self.fixed_ms: float | None = None
+
+    def _pair(self, bucket: int) -> tuple[BandRate, BandRate]:
+        if bucket not in self.rates:
+            self.rates[bucket] = (BandRate(), BandRate())
+        return self.rates[bucket]
+
+    def faster(self, bucket: int) -> bool | None:
+        """True: drafting is faster in this bucket; None while either mode is still warming."""
+        undrafted, drafted = (r.rate for r in self._pair(bucket))
+        if undrafted is None or drafted is None:
+            return None
+        return drafted >= undrafted
+
+    def choose(self, bucket: int) -> bool:
+        undrafted, drafted = self._pair(bucket)
+        best = self.faster(bucket)
+        if best is None:  # warming: the mode with fewer rounds
+            return drafted.rounds <= undrafted.rounds
+        if self.streak.get(bucket, 0) >= EXPLORE:
+            self.streak[bucket] = 0
+            return not best
+        self.streak[bucket] = self.streak.get(bucket, 0) + 1
+        return best
+
+    def learn(self, bucket: int, drafted: bool, tokens: int, round_ms: float) -> None:
+        self._pair(bucket)[int(bool(drafted))].observe(float(tokens), float(round_ms))
+
+    def learn_fixed(self, fixed_ms: float) -> None:
+        """D of an undrafted round."""
+        f = float(fixed_ms)
+        self.fixed_ms = f if self.fixed_ms is None else (
+            FIXED_DECAY * self.fixed_ms + (1.0 - FIXED_DECAY) * f)
+
+    # ----- persistence -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rates": [[b, *(x for r in pair for x in (r.tokens, r.time, r.rounds))]
+                          for b, pair in sorted(self.rates.items())],
+                "fixed_ms": self.fixed_ms}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            rates = {}
+            for b, t0, s0, n0, t1, s1, n1 in state["rates"]:
+                pair = (BandRate(), BandRate())
+                for r, (t, s, n) in zip(pair, ((t0, s0, n0), (t1, s1, n1)), strict=True):
+                    r.tokens, r.time, r.rounds = float(t), float(s), int(n)
+                rates[int(b)] = pair
+            fixed = state["fixed_ms"]
+            fixed = None if fixed is None else float(fixed)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"draft gate state is malformed: {exc!r}") from None
+        self.rates, self.fixed_ms, self.streak = rates, fixed, {}

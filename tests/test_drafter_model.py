@@ -67,6 +67,32 @@ def test_truncate_then_observe_matches_fresh():
     np.testing.assert_allclose(d.draft(3).topk_logits, fresh.draft(3).topk_logits, rtol=1e-5)
 
 
+def test_rounds_without_a_draft_are_appended_at_the_next_one():
+    """Plain and gated rounds only observe; their features enter the cache in one batch at the
+    next draft, a truncate may cut into them, and the result is the fresh recompute's."""
+    model, embed = tiny()
+    h = hiddens(30)
+    d = Drafter(model, embed, dtype=torch.float32)
+    d.observe({k: v[:10] for k, v in h.items()})
+    d.draft(3)
+    for a, b in ((10, 13), (13, 14), (14, 20)):  # three rounds without a draft
+        d.observe({k: v[a:b] for k, v in h.items()})
+    assert d.length == 20 and d._cache.length == 10  # observed, not yet computed
+    d.truncate(16)  # cut inside the observed-only tokens
+    d.observe({k: v[16:25] for k, v in h.items()}, rows=range(9))
+    d.truncate(24)
+    assert d.length == 24
+    fresh = Drafter(model, embed, dtype=torch.float32)
+    fresh.observe({k: v[:24] for k, v in h.items()})
+    np.testing.assert_allclose(d.draft(5).topk_logits, fresh.draft(5).topk_logits, rtol=1e-5,
+                               atol=1e-5)
+    assert d._cache.length == 24
+    d.truncate(8)  # below the computed prefix
+    fresh.truncate(8)
+    np.testing.assert_allclose(d.draft(5).topk_logits, fresh.draft(5).topk_logits, rtol=1e-5,
+                               atol=1e-5)
+
+
 def runtime_vs_batched(model, embed, h, anchor, prev_tokens):
     """Batched training path at the runtime's anchor with the given previous tokens."""
     n = h[TAPS[0]].shape[0]

@@ -7,7 +7,10 @@ The engine's round, with `d = Drafter(...)`:
           out = target.verify(rows, ..., tap_layers=d.tap_layers); target.commit(path)
           d.observe(out.hiddens, rows=path)       # same accepted rows, root first
 Only the accepted rows' features are computed and appended, which leaves the cache exactly as a
-gather of all verified rows into the contiguous prefix would, without computing the rest.
+gather of all verified rows into the contiguous prefix would, without computing the rest. The
+taps are only kept at observe(); the features are computed at the next draft (or when `cache` is
+read), for every token since the last one in one batch: a round that skips the drafter (a plain
+round, the draft gate's n-gram rounds) then costs the drafter nothing.
 Invariant: d.length == target.cache.length.
 """
 
@@ -82,7 +85,9 @@ class Drafter:
         self.model = model.eval()
         self.dtype = dtype
         self.embed = embed
-        self.cache = DrafterCache(model, capacity)
+        self._cache = DrafterCache(model, capacity)
+        self._pending: list[torch.Tensor] = []  # observed taps [n, n_taps, dim] not yet in cache
+        self._pending_len = 0
         c = model.c
         self.block_size = c.block_size
         self.topk = c.topk
@@ -97,14 +102,33 @@ class Drafter:
         self._mask_rows = model.mask_embedding.detach().expand(c.block_size - 1, c.dim)
 
     @property
+    def cache(self) -> DrafterCache:
+        """The feature cache, every observed token in it."""
+        if self._pending:
+            taps = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
+            self._pending, self._pending_len = [], 0
+            self._cache.append(taps)
+        return self._cache
+
+    @property
     def length(self) -> int:
-        return self.cache.length
+        return self._cache.length + self._pending_len
 
     def reset(self) -> None:
-        self.cache.length = 0
+        self._cache.length = 0
+        self._pending, self._pending_len = [], 0
 
     def truncate(self, length: int) -> None:
-        self.cache.truncate(length)
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate drafter cache of {self.length} to {length}")
+        if length < self._cache.length:
+            self._pending, self._pending_len = [], 0
+            self._cache.truncate(length)
+            return
+        keep = length - self._cache.length  # observed but not yet appended
+        taps = torch.cat(self._pending)[:keep] if keep else None
+        self._pending = [taps] if keep else []
+        self._pending_len = keep
 
     def observe(self, hiddens: dict[int, torch.Tensor], rows: Sequence[int] | None = None):
         """Append committed tokens' features from a prefill/verify's tapped hiddens.
@@ -114,10 +138,14 @@ class Drafter:
         missing = [layer for layer in self.tap_layers if layer not in hiddens]
         if missing:
             raise ValueError(f"the target forward did not tap layers {missing} for the drafter")
-        taps = torch.stack([hiddens[layer] for layer in self.tap_layers], -2)
         if rows is not None:
-            taps = taps[torch.as_tensor(list(rows), dtype=torch.long)]
-        self.cache.append(taps)
+            idx = torch.as_tensor(list(rows), dtype=torch.long)
+            taps = torch.stack([hiddens[layer][idx] for layer in self.tap_layers], -2)
+        else:  # a copy: the target may reuse its output buffers before the next draft
+            taps = torch.stack([hiddens[layer] for layer in self.tap_layers], -2)
+        if taps.shape[0]:
+            self._pending.append(taps)
+            self._pending_len += taps.shape[0]
 
     @torch.inference_mode()
     def draft(self, anchor: int) -> DraftBlock:

@@ -118,3 +118,40 @@ def test_resume_continues_where_it_stopped(tmp_path):
     train(resumed2, embed, seqs, taps, s, state_path=tmp_path / "st.pt", progress=False)
     for a, b in zip(straight.parameters(), resumed2.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_heldout_shards_are_kept_out_of_training(tmp_path):
+    from adaspark.drafter.pipeline import load_data
+
+    seqs = synthetic(6)
+    for i, seq in enumerate(seqs):
+        seq.tokens[0] = 90 + i  # six distinct sequences
+    data = tmp_path / "data" / "train"
+    data.mkdir(parents=True)
+    for i in range(3):
+        write_shard(shard_path(data, i), seqs[2 * i : 2 * i + 2], [0, 2])
+    train_seqs, groups, tap_index = load_data(tmp_path, [0, 2], heldout=[0, 2])
+    key = [s.tokens.tobytes() for s in seqs]
+    assert [[s.tokens.tobytes() for s in g] for g in groups] == [key[0:2], key[4:6]]
+    assert [s.tokens.tobytes() for s in train_seqs] == key[2:4] and tap_index == [0, 1]
+    with pytest.raises(UserError, match="held-out shard 7"):
+        load_data(tmp_path, [0, 2], heldout=[0, 7])
+    with pytest.raises(UserError, match="besides the held-out"):
+        load_data(tmp_path, [0, 2], heldout=[0, 1, 2])
+
+
+def test_a_new_heldout_set_forgets_the_best_weights(tmp_path):
+    model, embed = tiny()
+    seqs, taps = synthetic(), [0, 1]
+    losses = iter([1.0, 0.5, 2.0, 3.0])
+    s = TrainSettings(steps=2, seqs_per_step=1, anchors_per_seq=8, lr=1e-2, warmup=1,
+                      bf16=False, val_every=1)
+    state = tmp_path / "st.pt"
+    train(model, embed, seqs, taps, s, state_path=state, progress=False,
+          held_out=lambda m: next(losses), val_key="heldout shards 0")
+    assert torch.load(state, weights_only=False)["best"]["step"] == 2
+    s.steps = 4  # go on, now judged on another held-out set
+    train(model, embed, seqs, taps, s, state_path=state, progress=False,
+          held_out=lambda m: next(losses), val_key="heldout shards 0,34")
+    st = torch.load(state, weights_only=False)
+    assert st["best"]["step"] == 3 and st["val_key"] == "heldout shards 0,34"

@@ -27,6 +27,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-shard", type=int, default=0,
                    help="number new data shards from here; prompts already in a shard are "
                         "skipped (a later data run with other sources or lengths)")
+    p.add_argument("--heldout-shards", type=_ints, default=[0],
+                   help="data shards kept out of training for early stopping and temperature "
+                        "scaling, e.g. 0,34 (one per prompt mix)")
     p.add_argument("--data-only", action="store_true", help="stop after the data stage")
     p.add_argument("--skip-data", action="store_true",
                    help="train on the shards already in WORK/data/train; generate none")
@@ -70,7 +73,8 @@ def run(args) -> int:
     settings = pipeline.PipelineSettings(
         work=work, prompts=Path(args.prompts), n_prompts=args.n_prompts, max_new=args.max_new,
         max_prompt_tokens=args.max_prompt_tokens, sources=args.sources,
-        first_shard=args.first_shard, vocab_size=args.vocab_size, taps=args.taps,
+        first_shard=args.first_shard, heldout=args.heldout_shards, vocab_size=args.vocab_size,
+        taps=args.taps,
         n_layers=args.layers, block_size=args.block, markov_rank=args.markov_rank,
         train=TrainSettings(steps=args.steps, seqs_per_step=args.seqs_per_step,
                             anchors_per_seq=args.anchors, lr=args.lr, seed=args.seed,

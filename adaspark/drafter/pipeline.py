@@ -39,6 +39,7 @@ class PipelineSettings:
     per_shard: int = 128
     sources: list[str] | None = None  # prompt sources (prefixes) to draw from; None: all
     first_shard: int = 0  # number the new shards from here (a later run with other sources)
+    heldout: list[int] = field(default_factory=lambda: [0])  # shards kept out of training
     vocab_size: int = 8192
     taps: list[int] = field(default_factory=lambda: [1, 14, 27])
     n_layers: int = 1
@@ -70,13 +71,25 @@ def make_data(s: PipelineSettings, target, tokenizer) -> None:
                     first_shard=s.first_shard)
 
 
-def load_data(work: Path, taps: list[int]):
-    """-> training sequences, held-out sequences (shard 0), index of `taps` in the hiddens."""
-    seqs, _ = read_shards(work / "data" / "train", taps)
-    n_val = len(read_shard(shard_path(work / "data" / "train", 0))[0])
-    if n_val == len(seqs):
-        raise UserError("training needs at least two data shards (shard 0 is held out)")
-    return seqs[n_val:], seqs[:n_val], list(range(len(taps)))
+def load_data(work: Path, taps: list[int], heldout: tuple[int, ...] | list[int] = (0,)):
+    """-> training sequences, held-out sequences (grouped by held-out shard, in `heldout`'s
+    order), index of `taps` in the hiddens."""
+    data = work / "data" / "train"
+    seqs, _ = read_shards(data, taps)
+    held = []
+    for i in heldout:
+        if not shard_path(data, i).exists():
+            raise UserError(f"held-out shard {i} is missing from {data}")
+        held.append({seq.tokens.tobytes() for seq in read_shard(shard_path(data, i))[0]})
+    groups: list[list] = [[] for _ in held]
+    train = []
+    for seq in seqs:
+        key = seq.tokens.tobytes()
+        at = next((g for g, keys in enumerate(held) if key in keys), None)
+        (train if at is None else groups[at]).append(seq)
+    if not train:
+        raise UserError("training needs a data shard besides the held-out ones")
+    return train, groups, list(range(len(taps)))
 
 
 def build_model(s: PipelineSettings, draft_ids: np.ndarray, embed, gguf=None) -> DraftModel:
@@ -99,7 +112,8 @@ def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
                  out: Path | None = None) -> Path:
     """Everything after the data stage; returns the exported checkpoint directory."""
     t_start = time.time()
-    train_seqs, val_seqs, tap_index = load_data(s.work, s.taps)
+    train_seqs, val_groups, tap_index = load_data(s.work, s.taps, s.heldout)
+    val_seqs = [seq for group in val_groups for seq in group]
     log.info("data: %d training sequences, %d held out", len(train_seqs), len(val_seqs))
     vocab_path = s.work / "vocab.npy"
     if vocab_path.exists():
@@ -113,13 +127,14 @@ def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
     model = build_model(s, draft_ids, embed, gguf)
     state = s.work / "train_state.pt"
     deadline = None if s.minutes is None else time.time() + 60 * s.minutes
-    quick_val = val_seqs[:32]  # a fixed slice keeps the periodic check to seconds
+    # a fixed slice, as much of each held-out shard, keeps the periodic check to seconds
+    quick_val = [seq for group in val_groups for seq in group[: 32 // len(val_groups)]]
 
     def held_out(m):
         return validation_loss(m, embed, quick_val, tap_index)["loss"]
 
     train(model, embed, train_seqs, tap_index, s.train, state_path=state, deadline=deadline,
-          held_out=held_out)
+          held_out=held_out, val_key="heldout shards " + ",".join(map(str, s.heldout)))
     st = torch.load(state, weights_only=False) if state.exists() else {"step": 0}
     step = int(st["step"])
     best_step = (st.get("best") or {}).get("step", step)

@@ -57,11 +57,12 @@ def sequence_at(index: int, n: int, seed: int) -> int:
     return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
 
 
-def save_state(path: Path, model, opt, step: int, settings: TrainSettings, best=None) -> None:
+def save_state(path: Path, model, opt, step: int, settings: TrainSettings, best=None,
+               val_key: str | None = None) -> None:
     tmp = Path(str(path) + ".tmp")
     torch.save(
         {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-         "settings": asdict(settings), "best": best},
+         "settings": asdict(settings), "best": best, "val_key": val_key},
         tmp,
     )
     os.replace(tmp, path)
@@ -78,11 +79,14 @@ def train(
     stop_after: int | None = None,
     deadline: float | None = None,
     held_out: Callable[[DraftModel], float] | None = None,
+    val_key: str | None = None,
 ) -> list[float]:
     """Train in place; returns the per-step losses of this call. stop_after: leave after that
     many steps of this call, or at time.time() >= deadline (time-boxed sessions); the state
     file lets a later call go on. held_out(model) -> loss, every val_every steps: with little
-    data the drafter overfits, so the model ends with the weights of the best held-out loss."""
+    data the drafter overfits, so the model ends with the weights of the best held-out loss.
+    val_key names the held-out set: a resumed run whose set changed forgets the best so far
+    (its loss was measured on other data)."""
     torch.manual_seed(s.seed)
     params = trainable(model)
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
@@ -94,6 +98,10 @@ def train(
         opt.load_state_dict(st["opt"])
         start, best = st["step"], st.get("best")
         log.info("resumed from %s at step %d", state_path, start)
+        if best is not None and st.get("val_key", "heldout shards 0") != val_key:
+            log.info("the held-out set changed (%s -> %s): the best weights so far are "
+                     "forgotten", st.get("val_key", "heldout shards 0"), val_key)
+            best = None
     model.train()
     losses = []
     bar = tqdm(range(start, s.steps), initial=start, total=s.steps, disable=not progress,
@@ -103,7 +111,7 @@ def train(
             break
         if deadline is not None and time.time() >= deadline:
             if state_path is not None and step > start:
-                save_state(Path(state_path), model, opt, step, s, best)
+                save_state(Path(state_path), model, opt, step, s, best, val_key)
             log.info("time limit reached at step %d", step)
             break
         for g in opt.param_groups:
@@ -139,7 +147,7 @@ def train(
                 best = {"loss": v, "step": step + 1,
                         "model": {k: t.clone() for k, t in model.state_dict().items()}}
         if state_path is not None and ((step + 1) % s.save_every == 0 or last):
-            save_state(Path(state_path), model, opt, step + 1, s, best)
+            save_state(Path(state_path), model, opt, step + 1, s, best, val_key)
     if best is not None:
         model.load_state_dict(best["model"])
         log.info("keeping the weights of step %d (held-out loss %.4f)", best["step"], best["loss"])

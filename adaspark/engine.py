@@ -179,7 +179,8 @@ class Engine:
              drafter: str | Path | None = None, store: str | Path | None = None,
              fresh: bool = False, round_log: str | Path | None = None) -> Engine:
         """Engine for `model` (a GGUF path; None = the embedded default). arm: ar, chain3, chain,
-        tree:N, cost, adaspark[:N] (None: adaspark when a drafter exists for the model, else ar);
+        tree:N, cost, adaspark[:N], modifiers after commas (None: speculative.DEFAULT_ARM when a
+        drafter exists for the model, else ar);
         drafter: a checkpoint directory (None: the shipped one); store: the learned store's
         directory (None: the user cache); fresh: start from an empty store; round_log: a JSONL
         file that gets one line per decode round (see speculative.py)."""

@@ -24,7 +24,7 @@ from adaspark.model.sources import default_model_path
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
 from adaspark.scheduler.round import Scheduler
-from adaspark.speculative import Speculator, load_speculator
+from adaspark.speculative import DEFAULT_ARM, Speculator, load_speculator
 
 pytestmark = pytest.mark.slow
 
@@ -331,13 +331,15 @@ def test_load_speculator_store_and_round_log(parts, tmp_path):
     fresh = load_speculator(target, path, tok.stop_ids, arm="adaspark", drafter=checkpoint,
                             store=stores, fresh=True)
     assert as_json(fresh.scheduler.state_dict()) == as_json(Scheduler("adaspark").state_dict())
+    default = load_speculator(target, path, tok.stop_ids, drafter=checkpoint, store=stores)
+    assert default.arm == DEFAULT_ARM == "adaspark,gate" and default.scheduler.arm.gate
     expected = fingerprint(json.loads((checkpoint / "config.json").read_text())["target"]
                            ["sha256"], drafter_sha256(checkpoint), target)
     assert open_store(stores, expected).path == spec.store.path
 
     rounds = [json.loads(line) for line in log.read_text().splitlines()]
     t = gen.timings
-    assert len(rounds) == t.draft_rounds + t.plain_rounds
+    assert len(rounds) == t.draft_rounds + t.plain_rounds + t.ngram_rounds
     assert sum(r["rows"] for r in rounds) == t.verified_rows
     for r in rounds:
         assert r["arm"] == "adaspark" and r["request"] == "chatcmpl-1"

@@ -30,8 +30,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="stop string (repeatable); the reply ends before it")
     parser.add_argument("--arm", metavar="ARM",
                         help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark, "
-                             "adaspark:N, with ,plain for width-1 plain rounds (default: "
-                             "adaspark when a drafter exists for the model, else ar)")
+                             "adaspark:N, with ,plain for width-1 plain rounds or ,gate for "
+                             "the draft gate (default: adaspark,gate when a drafter exists for "
+                             "the model, else ar)")
     parser.add_argument("--drafter", metavar="DIR",
                         help="drafter checkpoint (default: the shipped one for the model)")
     parser.add_argument("--store", metavar="DIR",

@@ -22,8 +22,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fast packed kernels, or float32 reference")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--arm", default=None,
-                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark[:N] "
-                             "(default: adaspark when a drafter exists for the model, else ar)")
+                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark[:N], "
+                             "with modifiers after commas (default: adaspark,gate when a drafter "
+                             "exists for the model, else ar)")
     parser.add_argument("--drafter", default=None, metavar="DIR",
                         help="drafter checkpoint directory (default: the shipped one)")
     parser.add_argument("--store", default=None, metavar="DIR",

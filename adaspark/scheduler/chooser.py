@@ -182,6 +182,7 @@ class Chooser:
         return score > incumbent_score + MARGIN * self._tokens(self.incumbent)
 
     def _scores(self, offers, s_drafter, s_ngram, fixed_ms, context) -> dict[int, float]:
+        """Score every offer; keeps this round's inputs for tokens(), value() and wins()."""
         if not offers:
             raise UserError("the chooser needs at least one offered width")
         if len(s_drafter) != len(s_ngram) or not s_drafter:

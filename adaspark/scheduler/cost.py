@@ -382,11 +382,9 @@ class CostModel:
         row_class = self._class_at(width)
         if row_class is None:
             return                          # a pinned or foreign width: not in the table
-        if rows < width and not drafted:
-            return
         if rows < width:
             # The tree was narrower than the width measured: the time is not this class's.
-            if not row_class.measured:
+            if drafted and not row_class.measured:
                 row_class.short_builds += 1
                 row_class.widest_short = max(row_class.widest_short, int(rows))
                 if row_class.short_builds >= SHORT_BUILDS_FOR_REACH:

@@ -43,6 +43,7 @@ from adaspark.scheduler.tree import (
     Layout,
     Ranking,
     accept,
+    evidence_of_bucket,
     layout,
     rank,
 )
@@ -239,7 +240,8 @@ class Scheduler:
                 return True
             self._undrafted = self._ngram_tree(stop_ids)
             tree = self._undrafted
-            self._bucket = int(tree.bucket[0]) // 3 if tree.n_nodes else NO_PROPOSAL
+            # node 0 is the first proposal after the anchor (chains() starts there)
+            self._bucket = evidence_of_bucket(int(tree.bucket[0])) if tree.n_nodes else NO_PROPOSAL
             return self.gate.choose(self._bucket)
         if not self.arm.plain_rounds or self._round == 0 or self.cost.probe() is not None:
             return True

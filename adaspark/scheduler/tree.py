@@ -43,8 +43,8 @@ API (stable; numpy only):
         .bonus (argmax at the last accepted row), .committed (tokens + [bonus]),
         .labelled_parents (-1 then the accepted nodes), .parent_targets (argmax at each of them)
 
-Bucket helpers shared with ngram.py and acceptance.py: bucket_of(kind, strong, run),
-evidence_of(kind, strong), N_BUCKETS = 12, N_EVIDENCE = 4.
+Bucket helpers shared with ngram.py, acceptance.py and round.py: bucket_of(kind, strong, run),
+evidence_of(kind, strong), evidence_of_bucket(bucket), N_BUCKETS = 12, N_EVIDENCE = 4.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ def bucket_of(kind: int, strong: bool, run: int) -> int:
     """Bucket index 0..11 of an n-gram proposal with `run` n-gram tokens directly above it."""
     run_class = 0 if run <= 0 else (1 if run <= 2 else 2)
     return evidence_of(kind, strong) * 3 + run_class
+
+
+def evidence_of_bucket(bucket: int) -> int:
+    """The evidence index 0..3 of a bucket index 0..11 (bucket_of's inverse, run dropped)."""
+    return bucket // (N_BUCKETS // N_EVIDENCE)
 
 
 def logit(p):

@@ -22,7 +22,7 @@ import torch
 from adaspark.drafter import calibrate, vocab
 from adaspark.drafter.checkpoint import save_checkpoint
 from adaspark.drafter.model import DrafterConfig, DraftModel
-from adaspark.drafter.shards import read_shard, read_shards, shard_path
+from adaspark.drafter.shards import read_shards, shard_path, shard_tokens
 from adaspark.drafter.train import TrainSettings, train, validation_loss
 from adaspark.errors import UserError
 
@@ -80,7 +80,7 @@ def load_data(work: Path, taps: list[int], heldout: tuple[int, ...] | list[int] 
     for i in heldout:
         if not shard_path(data, i).exists():
             raise UserError(f"held-out shard {i} is missing from {data}")
-        held.append({seq.tokens.tobytes() for seq in read_shard(shard_path(data, i))[0]})
+        held.append({tokens.tobytes() for tokens, _ in shard_tokens(shard_path(data, i))})
     groups: list[list] = [[] for _ in held]
     train = []
     for seq in seqs:

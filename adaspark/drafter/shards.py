@@ -85,24 +85,26 @@ def read_shard(path: Path) -> tuple[list[Sequence], list[int]]:
     return seqs, tap_layers
 
 
-def shard_prompts(work_dir: Path, below: int) -> set[tuple]:
-    """The prompts (token-id tuples) that shards 0..below-1 of a directory hold; reads only
-    the token arrays, not the hidden states."""
+def shard_tokens(path: Path) -> list[tuple[np.ndarray, int]]:
+    """(tokens, prompt length) of every sequence of a shard; reads only the token arrays, not
+    the hidden states."""
     from safetensors import safe_open
 
-    held: set[tuple] = set()
-    for p in (shard_path(work_dir, i) for i in range(below)):
-        if not p.exists():
-            continue
-        try:
-            with safe_open(str(p), "np") as f:
-                tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
-                prompt_lens = f.get_tensor("prompt_lens")
-        except Exception as err:
-            raise UserError(f"drafter data shard {p} is unreadable ({err}); delete it") from err
-        for start, plen in zip(offsets[:-1], prompt_lens, strict=True):
-            held.add(tuple(int(t) for t in tokens[int(start) : int(start) + int(plen)]))
-    return held
+    try:
+        with safe_open(str(path), "np") as f:
+            tokens, offsets = f.get_tensor("tokens"), f.get_tensor("offsets")
+            prompt_lens = f.get_tensor("prompt_lens")
+    except Exception as err:
+        raise UserError(f"drafter data shard {path} is unreadable ({err}); delete it") from err
+    return [(tokens[int(a) : int(b)], int(p))
+            for a, b, p in zip(offsets[:-1], offsets[1:], prompt_lens, strict=True)]
+
+
+def shard_prompts(work_dir: Path, below: int) -> set[tuple]:
+    """The prompts (token-id tuples) that shards 0..below-1 of a directory hold."""
+    paths = (shard_path(work_dir, i) for i in range(below))
+    return {tuple(int(t) for t in tokens[:plen])
+            for p in paths if p.exists() for tokens, plen in shard_tokens(p)}
 
 
 def read_shards(work_dir: Path, taps: list[int] | None = None) -> tuple[list[Sequence], list[int]]:

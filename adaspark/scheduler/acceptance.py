@@ -158,7 +158,7 @@ def design(tree: CandidateTree, context_len: int) -> tuple[np.ndarray, np.ndarra
     """Feature matrix X[N, N_COEF] and fixed offset[N] so that s = X @ w + offset + b_req."""
     B, K, N = tree.B, tree.K, tree.n_nodes
     D = B * K
-    if tree.n_drafter != D or (D == 0 and N > 0 and tree.kind[0] != NGRAM):
+    if tree.n_drafter != D:
         raise UserError("the acceptance model prices trees built by CandidateTree.from_block "
                         "or CandidateTree.undrafted")
     ctx = float(context_len) / CONTEXT_UNIT

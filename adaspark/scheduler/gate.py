@@ -11,7 +11,7 @@ drafted rounds and of undrafted ones (the n-gram tree alone, or a plain 1-row ro
 index proposes nothing): decayed committed tokens over decayed round time, the rounds' own
 clocks with D included, as the chooser's band rate (§3.4). It runs the faster mode, and the
 slower one once every EXPLORE rounds of the bucket, so that a drafter or a text that changes is
-noticed; until both modes hold WARM rounds in a bucket it alternates.
+noticed; until both modes have a rate in a bucket (BandRate's warm-up) it alternates.
 
     gate = DraftGate()
     gate.choose(bucket) -> bool                   True: draft this round

@@ -155,3 +155,64 @@ def test_a_new_heldout_set_forgets_the_best_weights(tmp_path):
           held_out=lambda m: next(losses), val_key="heldout shards 0,34")
     st = torch.load(state, weights_only=False)
     assert st["best"]["step"] == 3 and st["val_key"] == "heldout shards 0,34"
+
+
+def test_weight_decay_spares_gains_and_the_mask_vector():
+    from adaspark.drafter.train import param_groups
+
+    model, _ = tiny()
+    decay, spared = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and spared["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in spared["params"]} >= {
+        "mask_embedding", "norm.weight", "ctx_norm.weight"}
+    assert all(p.dim() >= 2 for p in decay["params"])
+
+
+def test_resume_from_a_state_with_one_parameter_group(tmp_path):
+    """States saved before the decay/no-decay split still resume: weights kept, moments anew."""
+    seqs, taps = synthetic(), [0, 1]
+    s = TrainSettings(steps=4, seqs_per_step=1, anchors_per_seq=8, lr=1e-2, warmup=1, bf16=False)
+    model, embed = tiny()
+    old_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torch.no_grad():
+        model.mask_embedding.fill_(0.5)
+    torch.save({"model": model.state_dict(), "opt": old_opt.state_dict(), "step": 2,
+                "settings": {}, "best": None}, tmp_path / "st.pt")
+    fresh, _ = tiny()
+    losses = train(fresh, embed, seqs, taps, s, state_path=tmp_path / "st.pt", progress=False)
+    assert len(losses) == 2  # resumed at step 2 of 4
+    assert abs(float(fresh.mask_embedding.mean()) - 0.5) < 0.1
+
+
+def test_loss_weights_set_the_mix_of_the_parts():
+    model, embed = tiny()
+    b = make_batch(synthetic()[0], [0, 1], 4, 16, np.random.default_rng(0))
+    with torch.no_grad():
+        ref, parts = dspark_loss(model, embed, b)
+        assert float(ref) == pytest.approx(0.1 * parts["ce"] + 0.9 * parts["tv"] + parts["conf"],
+                                           rel=1e-5)
+        ce_only, _ = dspark_loss(model, embed, b, {"ce": 1.0, "tv": 0.0, "conf": 0.0})
+        assert float(ce_only) == pytest.approx(parts["ce"], rel=1e-5)
+
+
+def test_training_follows_the_settings_loss_weights():
+    """All-zero loss weights (and no decay) leave the weights where they were; a CE-only loss
+    moves them."""
+    seqs, taps = synthetic(), [0, 1]
+    still, embed = tiny()
+    s = TrainSettings(steps=3, seqs_per_step=1, anchors_per_seq=8, lr=1e-2, warmup=1, bf16=False,
+                      weight_decay=0.0, ce_weight=0.0, tv_weight=0.0)
+    # the confidence BCE keeps weight 1: a frozen zero head passes it no gradient, so only
+    # CE/TV could move anything
+    for m in (still, moved := tiny()[0]):
+        with torch.no_grad():
+            m.confidence.weight.zero_()
+        m.confidence.requires_grad_(False)
+    before = [p.detach().clone() for p in still.parameters()]
+    train(still, embed, seqs, taps, s, progress=False)
+    for a, b in zip(before, still.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    s.ce_weight = 1.0
+    train(moved, embed, seqs, taps, s, progress=False)
+    assert not torch.equal(moved.fc.weight, before[0])

@@ -112,20 +112,37 @@ def test_truncate_then_prefill_matches_a_fresh_prefill(fast_model):
     assert again.argmax.tolist() == fresh.argmax.tolist()
 
 
+def greedy_alone(model, prompt, max_new, stop_ids):
+    model.reset()
+    token, alone = int(model.prefill(prompt).argmax[-1]), []
+    while len(alone) < max_new:
+        alone.append(token)
+        if token in stop_ids:
+            break
+        token = int(model.verify([token], [0], [[True]]).argmax[0])
+        model.commit([0])
+    return alone
+
+
 def test_batched_greedy_matches_one_at_a_time(fast_model):
     model = fast_model
     prompts = [PROMPT, PROMPT[3:]]
     batch = model.generate_greedy_batch(prompts, max_new_tokens=5, stop_ids={2})
     for prompt, got in zip(prompts, batch, strict=True):
-        model.reset()
-        token, alone = int(model.prefill(prompt).argmax[-1]), []
-        while len(alone) < 5:
-            alone.append(token)
-            if token == 2:
-                break
-            token = int(model.verify([token], [0], [[True]]).argmax[0])
-            model.commit([0])
-        assert got == alone
+        assert got == greedy_alone(model, prompt, 5, {2})
+
+
+def test_batched_greedy_a_sequence_that_stops_early_leaves_the_others_intact(reference_model):
+    """One sequence meets a stop token mid-way: it ends there, the others go on intact
+    (reference precision: the fast kernels' bf16 rounding differs with the batch's width)."""
+    model = reference_model
+    prompts = [PROMPT, PROMPT[3:], PROMPT[5:]]
+    free = [greedy_alone(model, p, 6, set()) for p in prompts]
+    stop = free[1][2]  # the middle sequence stops at its third token
+    batch = model.generate_greedy_batch(prompts, max_new_tokens=6, stop_ids={stop})
+    assert batch[1] == free[1][:3]
+    for prompt, got in zip(prompts, batch, strict=True):
+        assert got == greedy_alone(model, prompt, 6, {stop})
 
 
 def test_batched_hidden_states_match_prefill_taps(fast_model):

@@ -38,6 +38,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     p.add_argument("--block", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--ce-weight", type=float, default=TrainSettings.ce_weight,
+                   help="loss weight of cross-entropy to the target's greedy token "
+                        "(the DSpark reference: 0.1)")
+    p.add_argument("--tv-weight", type=float, default=TrainSettings.tv_weight,
+                   help="loss weight of total variation to the target's distribution "
+                        "(the DSpark reference: 0.9)")
     p.add_argument("--steps", type=int, default=TrainSettings.steps)
     p.add_argument("--seqs-per-step", type=int, default=TrainSettings.seqs_per_step)
     p.add_argument("--anchors", type=int, default=TrainSettings.anchors_per_seq)
@@ -78,7 +84,8 @@ def run(args) -> int:
         n_layers=args.layers, block_size=args.block, markov_rank=args.markov_rank,
         train=TrainSettings(steps=args.steps, seqs_per_step=args.seqs_per_step,
                             anchors_per_seq=args.anchors, lr=args.lr, seed=args.seed,
-                            weight_decay=args.weight_decay, val_every=args.val_every),
+                            weight_decay=args.weight_decay, val_every=args.val_every,
+                            ce_weight=args.ce_weight, tv_weight=args.tv_weight),
         minutes=args.minutes,
     )
     if not args.skip_data:

@@ -2,7 +2,9 @@
 
 A sequence's context features and their K/V are computed once; N anchors' blocks (N*B rows) are
 queries together, each block row seeing the context before its anchor and its own block only.
-Loss: 0.1*CE + 0.9*total variation + 1.0*confidence BCE, position k weighted by exp(-k/4).
+Loss: w_ce*CE + w_tv*total variation + 1.0*confidence BCE, position k weighted by exp(-k/4);
+the reference's w_ce/w_tv are 0.1/0.9 (WEIGHTS, also the held-out yardstick reported in a
+checkpoint), training's are TrainSettings' (0.5/0.5: greedy verification accepts only argmaxes).
 The target's distribution over the draft vocabulary comes from its stored top-k logits at that
 position, renormalised over the ones inside the draft vocabulary (the rest of the mass is tiny).
 The confidence target 1 - TV(draft, target) is detached, as in the reference.
@@ -71,8 +73,7 @@ def forward_batch(model: DraftModel, embed, b: Batch):
     for layer in model.layers:
         k, v = layer.context_kv(feats, torch.arange(n_ctx))
         ctx_kv.append((k[None], v[None]))
-    rows = model.mask_embedding.expand(N, B, c.dim).clone()
-    rows[:, 0] = embed(b.block_prev[:, 0])
+    rows = model.block_rows(embed(b.block_prev[:, 0]))
     pos = (b.anchors[:, None] + torch.arange(B)[None]).reshape(-1)
     # row of anchor a sees context < a and its own block, nothing of other blocks
     ctx_vis = torch.arange(n_ctx)[None] < b.anchors[:, None]  # [N, n_ctx]
@@ -99,7 +100,9 @@ def target_distribution(model: DraftModel, b: Batch) -> tuple[torch.Tensor, torc
     return probs, inside.any(-1)
 
 
-def dspark_loss(model: DraftModel, embed, b: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+def dspark_loss(model: DraftModel, embed, b: Batch, weights: dict[str, float] | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """weights: of "ce", "tv", "conf"; WEIGHTS (the reference's) when None."""
     logits, conf = forward_batch(model, embed, b)
     logits = logits.float()
     V = model.c.draft_vocab_size
@@ -123,7 +126,7 @@ def dspark_loss(model: DraftModel, embed, b: Batch) -> tuple[torch.Tensor, dict[
         return (x * wk).sum() / wk.sum().clamp(min=1e-6)
 
     parts = {"ce": mean(ce, ce_ok), "tv": mean(tv, tv_ok), "conf": mean(bce, tv_ok)}
-    loss = sum(WEIGHTS[k] * v for k, v in parts.items())
+    loss = sum((weights or WEIGHTS)[k] * v for k, v in parts.items())
     stats = {k: float(v.detach()) for k, v in parts.items()}
     stats["acc0"] = float(((logits.argmax(-1) == label) & ce_ok)[:, 0].float().mean())
     return loss, stats

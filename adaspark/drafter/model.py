@@ -173,6 +173,12 @@ class DraftModel(nn.Module):
         inside = target_ids < len(t)
         return torch.where(inside, t[target_ids.clamp(max=len(t) - 1)], self.c.draft_vocab_size)
 
+    def block_rows(self, anchor_emb: torch.Tensor) -> torch.Tensor:
+        """anchor embeddings [..., dim] -> block input [..., B, dim]: [anchor, mask, ..., mask]."""
+        mask = self.mask_embedding.to(anchor_emb.dtype).expand(
+            *anchor_emb.shape[:-1], self.c.block_size - 1, self.c.dim)
+        return torch.cat([anchor_emb[..., None, :], mask], -2)
+
     def features(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [..., n_taps, dim] (target layer order of config) -> context features [..., dim]."""
         return self.ctx_norm(self.fc(taps.flatten(-2)))

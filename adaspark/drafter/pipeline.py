@@ -21,9 +21,10 @@ import torch
 
 from adaspark.drafter import calibrate, vocab
 from adaspark.drafter.checkpoint import save_checkpoint
+from adaspark.drafter.loss import WEIGHTS
 from adaspark.drafter.model import DrafterConfig, DraftModel
 from adaspark.drafter.shards import read_shards, shard_path, shard_tokens
-from adaspark.drafter.train import TrainSettings, train, validation_loss
+from adaspark.drafter.train import TrainSettings, loss_weights, train, validation_loss
 from adaspark.errors import UserError
 
 log = logging.getLogger("adaspark.drafter")
@@ -130,11 +131,17 @@ def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
     # a fixed slice, as much of each held-out shard, keeps the periodic check to seconds
     quick_val = [seq for group in val_groups for seq in group[: 32 // len(val_groups)]]
 
-    def held_out(m):
-        return validation_loss(m, embed, quick_val, tap_index)["loss"]
+    weights = loss_weights(s.train)
 
+    def held_out(m):  # judged by the loss it trains on
+        return validation_loss(m, embed, quick_val, tap_index, weights=weights)["loss"]
+
+    # a resumed run whose held-out set or loss changed forgets its best so far
+    val_key = "heldout shards " + ",".join(map(str, s.heldout))
+    if weights != WEIGHTS:
+        val_key += " loss " + " ".join(f"{k} {v:g}" for k, v in weights.items())
     train(model, embed, train_seqs, tap_index, s.train, state_path=state, deadline=deadline,
-          held_out=held_out, val_key="heldout shards " + ",".join(map(str, s.heldout)))
+          held_out=held_out, val_key=val_key)
     st = torch.load(state, weights_only=False) if state.exists() else {"step": 0}
     step = int(st["step"])
     best_step = (st.get("best") or {}).get("step", step)

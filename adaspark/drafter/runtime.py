@@ -98,8 +98,6 @@ class Drafter:
         self._temperature = model.temperature.float()
         if dtype != torch.float32:
             model.confidence.float()
-        # position-independent parts of the block input, computed once
-        self._mask_rows = model.mask_embedding.detach().expand(c.block_size - 1, c.dim)
 
     @property
     def cache(self) -> DrafterCache:
@@ -154,7 +152,7 @@ class Drafter:
         n = cache.length
         cache._grow(n + B)  # the block's own K/V use the slots past the committed prefix
         anchor_t = torch.tensor([anchor])
-        x = torch.cat([self.embed(anchor_t).to(self.dtype), self._mask_rows])
+        x = m.block_rows(self.embed(anchor_t)[0].to(self.dtype))
         pos = torch.arange(n, n + B)
         for layer, k_buf, v_buf in zip(m.layers, cache.k, cache.v, strict=True):
             x = layer.forward_cached(x, pos, k_buf, v_buf, n)

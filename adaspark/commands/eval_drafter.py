@@ -22,6 +22,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
+def prompt_sources(seqs, items, tokenizer) -> list[str]:
+    """Each held-out sequence's dataset, found by its prompt tokens ("?" when none matches)."""
+    from adaspark.drafter.data import encode_item
+
+    source = {tuple(encode_item(tokenizer, it)): str(it.get("source") or "?") for it in items}
+    return [source.get(tuple(s.tokens[: s.prompt_len].tolist()), "?") for s in seqs]
+
+
 def run(args) -> int:
     import torch
 
@@ -54,17 +62,18 @@ def run(args) -> int:
 
     eval_dir = Path(args.work) / "data" / "eval"
     target = None
+    tokenizer = Tokenizer.from_gguf(gguf)
+    items = first_turns(Path(args.conversations))
     if not list(eval_dir.glob("shard_*.safetensors")):
         from adaspark.model.transformer import Transformer
 
         target = Transformer.from_gguf(model_path)
-        tokenizer = Tokenizer.from_gguf(gguf)
-        items = first_turns(Path(args.conversations))
         prompts = select_prompts(items, tokenizer, len(items), 0, args.max_prompt_tokens,
                                  shuffle=False)
         generate_shards(target, tokenizer, prompts, eval_dir, taps, args.max_new, batch=4)
     seqs, _ = read_shards(eval_dir, taps)
-    result = evaluate(model, embed, seqs, list(range(len(taps))), max_seqs=args.max_prompts)
+    result = evaluate(model, embed, seqs, list(range(len(taps))), max_seqs=args.max_prompts,
+                      groups=prompt_sources(seqs, items, tokenizer))
     result["drafter"] = str(drafter_path)
     result["replay_draft_ms"] = result.pop("draft_ms")
     if target is None:

@@ -37,7 +37,8 @@ def load_prompt_items(path: Path) -> list[dict]:
 def first_turns(conversations_path: Path) -> list[dict]:
     """The evaluation conversations' first user turns, as prompt items."""
     return [
-        {"prompt": c["turns"][0], "system": c.get("system"), "tools": c.get("tools")}
+        {"prompt": c["turns"][0], "system": c.get("system"), "tools": c.get("tools"),
+         "source": c.get("source")}
         for c in load_prompt_items(conversations_path)
     ]
 

@@ -55,20 +55,27 @@ def replay_chain(drafter: Drafter, seq, tap_index) -> dict:
                 committed=committed, times=times)
 
 
-def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_seqs=None) -> dict:
+def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_seqs=None,
+             groups: list[str] | None = None) -> dict:
+    """Chain metrics over `seqs`; with `groups` (a label per sequence, e.g. its dataset) also the
+    chain tokens per round of each group, to see where the drafter falls short."""
     seqs = seqs[:max_seqs] if max_seqs else seqs
     drafter = Drafter(model, embed)
     B = model.c.block_size
     tot = {k: np.zeros(B) for k in ("reached", "accepted", "topk_hit")}
     rounds = committed = 0
     times: list[float] = []
-    for seq in seqs:
+    by_group: dict[str, list[int]] = {}
+    for i, seq in enumerate(seqs):
         r = replay_chain(drafter, seq, tap_index)
         for k in tot:
             tot[k] += r[k]
         rounds += r["rounds"]
         committed += r["committed"]
         times += r["times"]
+        if groups is not None:
+            g = by_group.setdefault(groups[i], [0, 0, 0])  # prompts, rounds, committed
+            g[0], g[1], g[2] = g[0] + 1, g[1] + r["rounds"], g[2] + r["committed"]
     z, correct, reached = chain_rows(model, embed, seqs, tap_index)
     temps = model.temperature.float().numpy()
     ones = np.ones(B) if temps_before is None else temps_before
@@ -87,6 +94,9 @@ def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_s
         "draft_ms": float(np.median(times_ms)) if len(times_ms) else None,
         "draft_ms_p90": float(np.percentile(times_ms, 90)) if len(times_ms) else None,
         "draft_vocab_coverage": coverage(seqs, model.draft_ids.numpy()),
+        **({"chain_by_group": {
+            name: {"prompts": n, "chain_tokens_per_round": round(c / max(r, 1), 4)}
+            for name, (n, r, c) in sorted(by_group.items())}} if groups is not None else {}),
     }
 
 

@@ -14,6 +14,7 @@ the ratio to `ar` (or to the first arm) and the round statistics.
     .venv/bin/python benchmarks/arms.py --arms ar,chain3,cost,adaspark --max-tokens 256
     .venv/bin/python benchmarks/arms.py --arms ar,adaspark --max-tokens 32 --runs 2 \\
         --drafter DIR --json out.json
+    .venv/bin/python benchmarks/arms.py --arms ar,chain3@OLD_DIR,chain3@NEW_DIR  # drafter A/B
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ LLAMA_CPP_TOK_S = 66.5  # llama.cpp on the paper's machine (closing note), for r
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default="ar,chain3,cost,adaspark",
-                   help="comma-separated arms; modifiers with '+' (adaspark+plain)")
+                   help="comma-separated arms; modifiers with '+' (adaspark+plain); "
+                        "ARM@DIR runs that arm with the drafter in DIR")
     p.add_argument("--max-tokens", type=int, default=256, help="reply cap per turn")
     p.add_argument("--runs", type=int, default=2, help="interleaved runs per arm")
     p.add_argument("--model", help="GGUF (default: the embedded SmolLM2)")
@@ -82,23 +84,38 @@ def summary(replies: list[dict]) -> dict:
             "tokens_per_round": tokens / max(rounds, 1)}
 
 
+def parse_arms(spec: str, default_drafter: str | None) -> dict[str, tuple[str, str | None]]:
+    """label -> (arm, drafter dir) for "adaspark+gate,chain3@DIR": '+' joins modifiers, and
+    '@DIR' gives one arm its own drafter (labelled by the folder's name), so that two drafters
+    can be compared in one interleaved run."""
+    out = {}
+    for item in filter(None, (a.strip() for a in spec.split(","))):
+        name, _, drafter = item.partition("@")
+        arm = name.replace("+", ",")
+        Arm.parse(arm)
+        label = f"{arm}@{Path(drafter).name}" if drafter else arm
+        if label in out:
+            raise SystemExit(f"arm {label!r} is named twice")
+        out[label] = (arm, drafter or default_drafter)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    arms = [a.strip().replace("+", ",") for a in args.arms.split(",") if a.strip()]
-    for arm in arms:
-        Arm.parse(arm)
+    specs = parse_arms(args.arms, args.drafter)
+    arms = list(specs)
     subset = short_subset(load_conversations(args.conversations))
     path = resolve_model(args.model)
     gguf = read_gguf(path)
     target = Transformer(gguf, precision=args.precision)
     tok = Tokenizer.from_gguf(gguf)
     stores = Path(args.stores or tempfile.mkdtemp(prefix="adaspark-arms-"))
-    engines = {arm: Engine(target, tok, path,
-                           load_speculator(target, path, tok.stop_ids, arm=arm,
-                                           drafter=args.drafter, store=stores / arm, fresh=True))
-               for arm in arms}
+    engines = {label: Engine(target, tok, path,
+                             load_speculator(target, path, tok.stop_ids, arm=arm, drafter=drafter,
+                                             store=stores / label, fresh=True))
+               for label, (arm, drafter) in specs.items()}
     print(f"{len(subset)} conversations x {max(len(c.turns) for c in subset)} turns, cap "
           f"{args.max_tokens}, {args.runs} interleaved runs, torch threads "
           f"{torch.get_num_threads()}", file=sys.stderr)

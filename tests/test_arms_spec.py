@@ -1,0 +1,25 @@
+"""benchmarks/arms.py: arm specs, including one drafter per arm for an interleaved drafter A/B."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location(
+    "arms_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "arms.py")
+arms = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(arms)
+
+
+def test_arm_specs_name_modifiers_and_drafters():
+    got = arms.parse_arms("ar, adaspark+gate,chain3@/w/old,chain3@/w/new,", "/shipped")
+    assert got == {"ar": ("ar", "/shipped"), "adaspark,gate": ("adaspark,gate", "/shipped"),
+                   "chain3@old": ("chain3", "/w/old"), "chain3@new": ("chain3", "/w/new")}
+    assert list(got) == ["ar", "adaspark,gate", "chain3@old", "chain3@new"]  # run order kept
+
+
+def test_arm_specs_refuse_repeats_and_unknown_arms():
+    with pytest.raises(SystemExit, match="named twice"):
+        arms.parse_arms("chain3@/a/x,chain3@/b/x", None)
+    with pytest.raises(Exception, match="nosuch"):
+        arms.parse_arms("nosuch", None)

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from adaspark.errors import UserError
+
 SPEC = importlib.util.spec_from_file_location(
     "arms_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "arms.py")
 arms = importlib.util.module_from_spec(SPEC)
@@ -21,5 +23,5 @@ def test_arm_specs_name_modifiers_and_drafters():
 def test_arm_specs_refuse_repeats_and_unknown_arms():
     with pytest.raises(SystemExit, match="named twice"):
         arms.parse_arms("chain3@/a/x,chain3@/b/x", None)
-    with pytest.raises(Exception, match="nosuch"):
+    with pytest.raises(UserError, match="unknown arm .nosuch."):
         arms.parse_arms("nosuch", None)

@@ -65,7 +65,7 @@ def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_s
     tot = {k: np.zeros(B) for k in ("reached", "accepted", "topk_hit")}
     rounds = committed = 0
     times: list[float] = []
-    by_group: dict[str, list[int]] = {}
+    by_group: dict[str, list[tuple[int, int]]] = {}  # group -> (rounds, committed) per sequence
     for i, seq in enumerate(seqs):
         r = replay_chain(drafter, seq, tap_index)
         for k in tot:
@@ -74,14 +74,13 @@ def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_s
         committed += r["committed"]
         times += r["times"]
         if groups is not None:
-            g = by_group.setdefault(groups[i], [0, 0, 0])  # prompts, rounds, committed
-            g[0], g[1], g[2] = g[0] + 1, g[1] + r["rounds"], g[2] + r["committed"]
+            by_group.setdefault(groups[i], []).append((r["rounds"], r["committed"]))
     z, correct, reached = chain_rows(model, embed, seqs, tap_index)
     temps = model.temperature.float().numpy()
     ones = np.ones(B) if temps_before is None else temps_before
     times_ms = np.array(times) * 1e3
     reached_safe = np.maximum(tot["reached"], 1)
-    return {
+    result = {
         "prompts": len(seqs),
         "rounds": rounds,
         "chain_tokens_per_round": committed / max(rounds, 1),
@@ -94,10 +93,13 @@ def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_s
         "draft_ms": float(np.median(times_ms)) if len(times_ms) else None,
         "draft_ms_p90": float(np.percentile(times_ms, 90)) if len(times_ms) else None,
         "draft_vocab_coverage": coverage(seqs, model.draft_ids.numpy()),
-        **({"chain_by_group": {
-            name: {"prompts": n, "chain_tokens_per_round": round(c / max(r, 1), 4)}
-            for name, (n, r, c) in sorted(by_group.items())}} if groups is not None else {}),
     }
+    if groups is not None:
+        result["chain_by_group"] = {
+            name: {"prompts": len(rc), "chain_tokens_per_round":
+                   round(sum(c for _, c in rc) / max(sum(r for r, _ in rc), 1), 4)}
+            for name, rc in sorted(by_group.items())}
+    return result
 
 
 def interleaved_timing(drafter: Drafter, target, context: int = 512, reps: int = 40) -> dict:

@@ -11,6 +11,7 @@ several tokens at once stops at exactly the same place.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -192,6 +193,9 @@ class Engine:
         path = resolve_model(model)
         gguf = read_gguf(path)  # parsed once, for the weights and the tokenizer
         target = Transformer(gguf, precision=precision, device=device, max_context=max_context)
+        if target.native_note:  # one line: the engine runs, more slowly
+            print(f"adaspark: native forward not used ({target.native_note}); "
+                  "the torch path runs", file=sys.stderr)
         tokenizer = Tokenizer.from_gguf(gguf)
         speculator = load_speculator(target, path, tokenizer.stop_ids, arm=arm, drafter=drafter,
                                      store=store, fresh=fresh, round_log=round_log)

@@ -62,17 +62,24 @@ def test_chain_inside_a_tree_is_bit_exact_in_reference(reference_model):
 
 
 @pytest.mark.parametrize("kernel", ["int4", "bf16"])
-def test_rows_do_not_depend_on_width_within_a_kernel(fast_model, kernel):
+def test_torch_kernel_rows_barely_depend_on_width(fast_model, kernel):
+    """The torch path (no native build, CUDA): rows round activations to bf16 (8 bits), and
+    attention sums a row's ancestors in other lanes within a tree, so a float32 difference in
+    the last bits can flip a bf16 rounding at any of the ~120 casts on the way; rows then
+    differ by a few bf16 steps. 2^-4 is far above that and far below a wrong mask (~100%).
+    The native path is bit-exact instead (test_native_forward.py)."""
     tree = verify_tree(fast_model, range(len(PARENTS)), kernel)
     chain = verify_tree(fast_model, CHAIN, kernel)
-    # Same kernel and weights; attention sums the ancestors in other lanes, and bf16 rounding
-    # of its output lets those last bits grow to ~0.5% by the last layer (a wrong mask: ~100%).
     assert torch.equal(tree.argmax[CHAIN], chain.argmax)
-    assert_rows_close(tree.logits[CHAIN], chain.logits, 1e-2)
-    assert_rows_close(tree.hiddens[29][CHAIN], chain.hiddens[29], 1e-2)
+    assert_rows_close(tree.logits[CHAIN], chain.logits, 2**-4)
+    assert_rows_close(tree.hiddens[29][CHAIN], chain.hiddens[29], 2**-4)
 
 
 def test_commit_leaves_the_cache_of_a_fresh_prefill(reference_model):
+    """Reference precision: prefill and tree verify sum attention in different orders (a
+    matmul against a term-by-term sum), so K/V agree to float32 rounding grown over the
+    layers; 2^-12 of each cached row is thousands of float32 steps and far below a wrong slot
+    or position (~100%). The native path is compared bit for bit (test_native_forward.py)."""
     model = reference_model
     path = [0, 1, 4]
     verify_tree(model, range(len(PARENTS)))
@@ -83,8 +90,8 @@ def test_commit_leaves_the_cache_of_a_fresh_prefill(reference_model):
     committed_v = model.cache.v[:, :, :, :n].clone()
     model.reset()
     model.prefill(PROMPT + [TREE_TOKENS[r] for r in path])
-    torch.testing.assert_close(committed_k, model.cache.k[:, :, :, :n], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(committed_v, model.cache.v[:, :, :, :n], rtol=1e-5, atol=1e-5)
+    assert_rows_close(committed_k, model.cache.k[:, :, :, :n], 2**-12)
+    assert_rows_close(committed_v, model.cache.v[:, :, :, :n], 2**-12)
 
 
 @pytest.mark.parametrize("precision", ["reference", "fast"])
@@ -112,14 +119,14 @@ def test_truncate_then_prefill_matches_a_fresh_prefill(fast_model):
     assert again.argmax.tolist() == fresh.argmax.tolist()
 
 
-def greedy_alone(model, prompt, max_new, stop_ids):
+def greedy_alone(model, prompt, max_new, stop_ids, kernel=None):
     model.reset()
-    token, alone = int(model.prefill(prompt).argmax[-1]), []
+    token, alone = int(model.prefill(prompt, kernel=kernel).argmax[-1]), []
     while len(alone) < max_new:
         alone.append(token)
         if token in stop_ids:
             break
-        token = int(model.verify([token], [0], [[True]]).argmax[0])
+        token = int(model.verify([token], [0], [[True]], kernel=kernel).argmax[0])
         model.commit([0])
     return alone
 
@@ -128,8 +135,8 @@ def test_batched_greedy_matches_one_at_a_time(fast_model):
     model = fast_model
     prompts = [PROMPT, PROMPT[3:]]
     batch = model.generate_greedy_batch(prompts, max_new_tokens=5, stop_ids={2})
-    for prompt, got in zip(prompts, batch, strict=True):
-        assert got == greedy_alone(model, prompt, 5, {2})
+    for prompt, got in zip(prompts, batch, strict=True):  # batches run the torch kernels
+        assert got == greedy_alone(model, prompt, 5, {2}, kernel="int4")
 
 
 def test_batched_greedy_a_sequence_that_stops_early_leaves_the_others_intact(reference_model):
@@ -151,7 +158,7 @@ def test_batched_hidden_states_match_prefill_taps(fast_model):
     batch = model.hidden_states_batch(seqs, TAPS, return_logits=True)
     for seq, got in zip(seqs, batch, strict=True):
         model.reset()
-        out = model.prefill(seq, TAPS, return_logits=True)
+        out = model.prefill(seq, TAPS, return_logits=True, kernel="int4")  # batches: torch
         for layer in TAPS:
             assert_rows_close(got[layer], out.hiddens[layer], 5e-2)  # may differ in kernel
         assert int(got["argmax"][-1]) == int(out.argmax[-1])

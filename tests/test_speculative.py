@@ -127,6 +127,28 @@ def test_every_arm_emits_the_ar_tokens_in_reference_precision(parts):
     assert accepted > 0  # some round took more than one token, or nothing was tested
 
 
+@pytest.fixture(scope="module")
+def native_parts():
+    path = default_model_path()
+    target = Transformer.from_gguf(path, precision="fast", max_context=1024, calibrate=False)
+    if target.native is None:
+        pytest.skip(f"no native forward here: {target.native_note}")
+    drafter = Drafter(random_model(target), target.embed, dtype=torch.float32)
+    return target, Tokenizer.from_gguf(path), drafter, path
+
+
+def test_every_arm_emits_the_ar_tokens_on_the_native_forward(native_parts):
+    """Fast precision: the native forward's rows do not depend on the width of the call."""
+    ar1, ar2 = two_turns(make_engine(native_parts, "ar"))
+    accepted = 0
+    for arm in (*ARMS, "adaspark,gate", "adaspark,plain"):
+        one, two = two_turns(make_engine(native_parts, arm))
+        assert (one.token_ids, two.token_ids) == (ar1.token_ids, ar2.token_ids), arm
+        assert (one.finish_reason, two.finish_reason) == (ar1.finish_reason, ar2.finish_reason)
+        accepted += one.timings.accepted_tokens + two.timings.accepted_tokens
+    assert accepted > 0
+
+
 def test_fast_kernels_emit_the_argmax_of_each_verify_row(parts):
     _, tok, _, path = parts
     target = Transformer.from_gguf(path, precision="fast", max_context=1024)

@@ -9,9 +9,13 @@ Layout choices:
   store q/k (convert_hf_to_gguf permutes HF's half-split rows into pairs); qwen2/qwen3 GGUFs keep
   HF's half split, so their q/k rows are permuted the same way at load. Attention scores are
   unchanged: q and k share the permutation.
-- Precision "fast": float32 residual stream and norms; matmuls in bf16 activations with the
-  kernel chosen by row count (kernels.py); float32 KV cache and SDPA attention (bf16
-  attention's rounding follows the tree layout: a row would move ~1% with the tree's width).
+- Precision "fast" on a CPU with the native build (native/forward.cpp): one native call per
+  forward, quantised weights times int8-quantised activations, every row's arithmetic
+  independent of the other rows (a tree row is bit-identical to the same row decoded alone).
+- Precision "fast" otherwise (CUDA, no compiler, or an explicit `kernel`): float32 residual
+  stream and norms; matmuls in bf16 activations with the kernel chosen by row count
+  (kernels.py); float32 KV cache and SDPA attention (rounding there follows the tree layout:
+  a row moves ~1% with the tree's width).
 - Precision "reference": float32 throughout with gguf-dequantised weights, arithmetic laid out
   so that a row's result does not depend on the other rows of the call (exact_linear,
   exact_attention), which makes tree and chain verifies comparable bit for bit.
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from adaspark.errors import UserError
+from adaspark.model import native
 from adaspark.model.cache import KVCache
 from adaspark.model.config import ModelConfig
 from adaspark.model.gguf import GGUFFile, GGUFTensor, read_gguf
@@ -228,7 +233,13 @@ class Transformer:
         self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, torch.float32,
                              self.device)
         self._rope_tables(w.optional("rope_freqs.weight"), capacity)
-        self.kernels = self._kernel_table(f, calibrate)
+        self.native_isa: str | None = None
+        self.native, self.native_note = self._native_model(w, head)
+        # torch kernels by row count: every forward without the native build, and the batched
+        # paths (drafter data) with it
+        self.torch_kernels = self._kernel_table(f, calibrate and self.native is None)
+        self.kernels = (KernelTable.only(f"native-{self.native_isa}") if self.native is not None
+                        else self.torch_kernels)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, precision: str = "fast", device: str = "cpu",
@@ -245,6 +256,42 @@ class Transformer:
         angles = torch.arange(capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.rope_cos = angles.cos().to(self.device)  # [capacity, hd/2]
         self.rope_sin = angles.sin().to(self.device)
+
+    def _native_model(self, w: Weights, head: str):
+        """The whole forward as one native Model, where the build, the device and every weight's
+        type allow; else None and why not."""
+        if self.exact or self.device.type != "cpu":
+            return None, ""
+        module, why = native.load()
+        c = self.config
+        names = [f"blk.{i}.{part}.weight" for i in range(c.n_layers)
+                 for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                              "ffn_down")] + [head]
+        if module is None or not native.packable([w.raw(n) for n in names]):
+            return None, why or "weight types the native forward does not pack"
+        if c.head_dim % 16 or c.dim % 16:
+            return None, "head_dim and dim must be multiples of 16 for the native forward"
+        head_f32 = (self.tok_embeddings if head == "token_embd.weight"
+                    else torch.from_numpy(w.raw(head).dequantize()))
+        model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
+                             self.rope_cos, self.rope_sin, self.tok_embeddings, self.norm,
+                             native.pack(module, [w.raw(head)]), head_f32)
+        empty = torch.empty(0)
+        for i, layer in enumerate(self.layers):
+            p = f"blk.{i}."
+            model.add_layer(
+                layer.attn_norm, layer.ffn_norm,
+                empty if layer.q_norm is None else layer.q_norm,
+                empty if layer.k_norm is None else layer.k_norm,
+                empty if layer.qkv.bias is None else layer.qkv.bias.float(),
+                native.pack(module, [w.raw(p + "attn_q.weight", c.n_heads),
+                                     w.raw(p + "attn_k.weight", c.n_kv_heads),
+                                     w.raw(p + "attn_v.weight")]),
+                native.pack(module, [w.raw(p + "attn_output.weight")]),
+                native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
+                native.pack(module, [w.raw(p + "ffn_down.weight")]))
+        self.native_isa = module.ISA
+        return model, ""
 
     def _kernel_table(self, f: GGUFFile, calibrate: bool) -> KernelTable:
         if self.exact or self.device.type != "cpu":
@@ -321,6 +368,9 @@ class Transformer:
     @torch.no_grad()
     def _head(self, rows: torch.Tensor, kernel: str, return_logits: bool) -> ForwardOut:
         """LM head over final-normed rows [m, dim]."""
+        if kernel.startswith("native"):
+            logits, argmax = self.native.head(rows.float())
+            return ForwardOut(argmax, logits if return_logits else None)
         logits = self.output(rows.to(self.act_dtype), kernel).float()
         if not self.exact:
             logits = self._refine_top(rows, logits)
@@ -349,6 +399,13 @@ class Transformer:
         """Forward rows at slots cache.length.. with the committed prefix fully visible."""
         start, n = self.cache.length, len(depths)
         self.cache.check_room(n)
+        kernel = kernel or self.kernels.choose(n)
+        if kernel.startswith("native"):
+            taps = sorted(set(tap_layers))
+            x, hiddens = self.native.forward(
+                self.cache.k, self.cache.v, self._tokens(tokens), start + depths, start,
+                ancestors.cpu(), taps)
+            return x, dict(zip(taps, hiddens, strict=True)), kernel
         span = start + n
         mask = tree = None
         if exact_tree:
@@ -358,7 +415,6 @@ class Transformer:
             mask[:, :start] = True
             mask[:, start:] = ancestors
             mask = mask[None, None]
-        kernel = kernel or self.kernels.choose(n)
         positions = (start + depths).to(self.device)[None]
         x, hiddens = self._forward(self.cache, self._tokens(tokens)[None], positions, start,
                                    mask, span, kernel, tap_layers, tree)
@@ -434,7 +490,7 @@ class Transformer:
         mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]
         positions = torch.arange(t, device=self.device).expand(b, t)
         return self._forward(cache, tokens, positions, 0, mask, t,
-                             self.kernels.choose(b * t), tap_layers)
+                             self.torch_kernels.choose(b * t), tap_layers)
 
     def generate_greedy_batch(self, prompts: list[list[int]], max_new_tokens: int,
                               stop_ids: set[int]) -> list[list[int]]:
@@ -448,7 +504,7 @@ class Transformer:
         last = x[torch.arange(len(prompts)), lengths - 1]
         outputs: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        kernel = self.kernels.choose(len(prompts))
+        kernel = self.torch_kernels.choose(len(prompts))
         for _ in range(max_new_tokens):
             nxt = self._head(last, kernel, False).argmax
             for row, tok in enumerate(nxt.tolist()):
@@ -499,7 +555,7 @@ class Transformer:
         for row, n in enumerate(lengths.tolist()):
             item: dict = {i: h[row, :n] for i, h in hiddens.items()}
             if return_logits:
-                head = self._head(x[row, :n], self.kernels.choose(n), True)
+                head = self._head(x[row, :n], self.torch_kernels.choose(n), True)
                 item["logits"], item["argmax"] = head.logits, head.argmax
             out.append(item)
         return out

@@ -1,0 +1,600 @@
+// The target's forward as one native call per verify, and its LM head as another.
+//
+// Built twice by build.py from this one file: with -mavx512{f,bw,vl,vnni} (module
+// adaspark_native_avx512) and with -mavx2 -mfma (adaspark_native_avx2); native.py imports the
+// one the CPU runs. Threads come from torch's own pool (at::parallel_for), never a second
+// OpenMP runtime.
+//
+// Why it is shaped this way:
+// - Weights stay quantised (Q4_0 / Q4_1 / Q8_0 repacked by native.py into unsigned integers u
+//   with value = d*u + m per block of 32); activations are quantised per block of 32 to int8
+//   (scale dx, integer sum sx), so a block's dot is d*dx*sum(u*x) + m*dx*sx, an exact integer
+//   dot product (VNNI's vpdpbusd, or AVX2's maddubs) and two float terms. This is ggml's Q8
+//   activation arithmetic.
+// - A weight tile is loaded and unpacked once per call and used for every row of the call, so
+//   extra verify rows add arithmetic, not weight traffic.
+// - Every row is computed by the same instruction sequence whatever the other rows are and
+//   however many share the call (per-row accumulators, fixed reduction order, attention summed
+//   slot by slot in slot order). A row's logits and hidden states are bit-identical in a tree,
+//   a chain, a one-row decode step or a prefill chunk: speculation emits exactly plain decoding's
+//   tokens in fast precision too.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define ADASPARK_AVX512 1
+static const char* kIsa = "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+static const char* kIsa = "avx2";
+#else
+#error "build with AVX2 and FMA at least (build.py sets the flags)"
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;  // inputs per quantisation block
+
+// --- float vectors: one set of names for both builds ---------------------------------------------
+
+#ifdef ADASPARK_AVX512
+using vf = __m512;
+constexpr int W = 16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2n(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+#else
+using vf = __m256;
+constexpr int W = 8;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2n(vf p, vf n) {  // p * 2^n for n >= -126 (vexp clamps its input to keep it so)
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// exp by range reduction and a degree-6 polynomial (Cephes' expf), ~2 ulp; inputs below -87
+// are clamped (their exp underflows softmax weights to nothing anyway).
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vpow2n(p, n);
+}
+
+// exp in place over x[0, n): whole vectors only, so callers keep W-1 floats of slack.
+inline void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) vstore(x + i, vexp(vload(x + i)));
+}
+
+// Dot of two float vectors of length n (a multiple of W), one fixed order.
+inline float vdot(const float* a, const float* b, int64_t n) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  return vsum(acc);
+}
+
+// --- quantised weights and activations ----------------------------------------------------------
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// A [n, k] weight in groups of 16 outputs: per group and block of 32 inputs, the 16 outputs'
+// unsigned integers u (value d*u + m) in 8 chunks of 4 inputs, each chunk 64 bytes (4 per
+// output), so one vector op multiplies a chunk of 4 inputs into 16 outputs at once and the
+// outputs stay in separate lanes (no horizontal sums). bits 4: chunks 2i and 2i+1 share 64
+// bytes as low and high nibbles. d, m: fp16 [groups, blocks, 16] (GGUF's own fp16 scales).
+struct QWeight {
+  int64_t bits, n, k, nb, groups;
+  torch::Tensor q, d, m;
+  const uint8_t* qp;  // raw pointers, read once: data_ptr() checks types on every call
+  const uint16_t *dp, *mp;
+
+  QWeight(int64_t bits_, int64_t n_, int64_t k_, torch::Tensor q_, torch::Tensor d_,
+          torch::Tensor m_)
+      : bits(bits_), n(n_), k(k_), q(q_.contiguous()), d(d_.contiguous()), m(m_.contiguous()) {
+    TORCH_CHECK(bits == 4 || bits == 8, "weight bits must be 4 or 8");
+    TORCH_CHECK(k % kBlock == 0, "weight inputs must be a multiple of 32");
+    nb = k / kBlock;
+    groups = (n + 15) / 16;
+    TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.numel() == groups * nb * block_bytes(),
+                "packed weight has the wrong size");
+    TORCH_CHECK(d.scalar_type() == torch::kHalf && d.numel() == groups * nb * 16,
+                "scales: wrong size");
+    TORCH_CHECK(m.scalar_type() == torch::kHalf && m.numel() == groups * nb * 16,
+                "minimums: wrong size");
+    qp = q.data_ptr<uint8_t>();
+    dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  }
+  int64_t block_bytes() const { return 16 * kBlock * bits / 8; }  // one block of 16 outputs
+};
+
+// Rows of activations quantised per block of 32: q int8 [rows, k], dx [rows, nb] and
+// xs = dx * sum(q) [rows, nb].
+struct QAct {
+  int64_t rows = 0, k = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> dx, xs;
+};
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QAct& a) {
+  const int64_t nb = k / kBlock;
+  a.rows = rows;
+  a.k = k;
+  a.nb = nb;
+  a.q.resize(rows * k);  // kept between calls: no page faults per call
+  a.dx.resize(rows * nb);
+  a.xs.resize(rows * nb);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* qb = a.q.data() + r * k + b * kBlock;
+      int sum = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+        qb[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        sum += qb[i];
+      }
+      a.dx[r * nb + b] = d;
+      a.xs[r * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+inline int32_t chunk_of(const int8_t* p) {  // 4 int8 inputs as one 32-bit lane value
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r, 16g .. 16g+15] for rows [r0, r0+R): the group's weights are unpacked once per block
+// for all R rows; each (row, output) adds its blocks in order, in its own lane.
+template <int R>
+inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                       int64_t ldy) {
+#ifdef ADASPARK_AVX512
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes();
+    __m512i u[8];
+    if (w.bits == 4) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(qb + 64 * i);
+        u[2 * i] = _mm512_and_si512(v, low4);
+        u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) u[i] = _mm512_loadu_si512(qb + 64 * i);
+    }
+    const int64_t at = (g * w.nb + b) * 16;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dp + at)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mp + at)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const int8_t* xb = a.q.data() + r * a.k + b * kBlock;
+      // two chains of four: vpdpbusd's latency is not the limit (integer sums are exact, so
+      // the split changes nothing in the result)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(chunk_of(xb + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(chunk_of(xb + 4 * j + 4)));
+      }
+      const __m512i s = _mm512_add_epi32(s0, s1);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+      acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
+  for (int i = 0; i < R; ++i)
+    _mm512_mask_storeu_ps(y + (r0 + i) * ldy + 16 * g, static_cast<__mmask16>((1u << valid) - 1), acc[i]);
+#else
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes() + 32 * half;
+      __m256i u[8];
+      if (w.bits == 4) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * i));
+          u[2 * i] = _mm256_and_si256(v, low4);
+          u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) u[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * i));
+      }
+      const int64_t at = (g * w.nb + b) * 16 + 8 * half;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dp + at)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mp + at)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        const int8_t* xb = a.q.data() + r * a.k + b * kBlock;
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i x = _mm256_set1_epi32(chunk_of(xb + 4 * j));
+          if (w.bits == 4) {  // u <= 15: maddubs's int16 pair sums cannot saturate
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), ones));
+          } else {  // u = 16*hi + lo, each part in 0..15, so again no saturation
+            const __m256i lo = _mm256_and_si256(u[j], low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u[j], 4), low4);
+            const __m256i sl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones);
+            const __m256i sh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), ones);
+            s = _mm256_add_epi32(s, _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 4)));
+          }
+        }
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.dx[r * a.nb + b]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
+        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+      }
+    }
+    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
+    for (int i = 0; i < R && valid > 0; ++i) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[i]);
+      std::memcpy(y + (r0 + i) * ldy + 16 * g + 8 * half, tmp, valid * 4);
+    }
+  }
+#endif
+}
+
+// y [rows, w.n] (row stride ldy) = x W^T for activations already quantised.
+void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
+  TORCH_CHECK(a.k == w.k, "activation width differs from the weight's inputs");
+  constexpr int R = 4;
+  at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t r = 0;
+      for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy);
+      switch (a.rows - r) {
+        case 3: group_rows<3>(w, a, g, r, y, ldy); break;
+        case 2: group_rows<2>(w, a, g, r, y, ldy); break;
+        case 1: group_rows<1>(w, a, g, r, y, ldy); break;
+        default: break;
+      }
+    }
+  });
+}
+
+torch::Tensor qmatmul(const QWeight& w, torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k && x.scalar_type() == torch::kFloat,
+              "x must be float32 [rows, ", w.k, "]");
+  x = x.contiguous();
+  QAct a;
+  quantize_rows(x.data_ptr<float>(), x.size(0), w.k, a);
+  auto y = torch::empty({x.size(0), w.n}, torch::kFloat);
+  qmatmul_into(w, a, y.data_ptr<float>(), w.n);
+  return y;
+}
+
+// --- the model ------------------------------------------------------------------------------------
+
+struct Layer {
+  torch::Tensor attn_norm, ffn_norm, q_norm, k_norm, qkv_bias;  // the last three may be empty
+  QWeight qkv, o, gate_up, down;
+};
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
+                   float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    double ss = 0.0;  // sequential, in double: one order for every row
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float scale = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+    for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = xr[i] * scale * w[i];
+  }
+}
+
+class Model {
+ public:
+  Model(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
+        double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor embeddings,
+        torch::Tensor out_norm, QWeight head, torch::Tensor head_f32)
+      : dim_(dim), heads_(n_heads), kv_heads_(n_kv_heads), hd_(head_dim), ffn_(ffn),
+        eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
+        emb_(embeddings.contiguous()), out_norm_(out_norm.contiguous()), head_(std::move(head)),
+        head_f32_(head_f32.contiguous()) {
+    TORCH_CHECK(hd_ % W == 0 && dim_ % W == 0, "head_dim and dim must be multiples of ", W);
+    TORCH_CHECK(heads_ % kv_heads_ == 0, "heads must be a multiple of kv heads");
+  }
+
+  void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm, torch::Tensor q_norm,
+                 torch::Tensor k_norm, torch::Tensor qkv_bias, QWeight qkv, QWeight o,
+                 QWeight gate_up, QWeight down) {
+    layers_.push_back(Layer{attn_norm.contiguous(), ffn_norm.contiguous(), q_norm.contiguous(),
+                            k_norm.contiguous(), qkv_bias.contiguous(), std::move(qkv),
+                            std::move(o), std::move(gate_up), std::move(down)});
+  }
+
+  // Rows at cache slots start..start+n-1, positions `positions`; row r sees the committed
+  // slots [0, start) and rows t with anc[r, t]. Writes their K/V into the cache.
+  // Returns the final-normed rows [n, dim] and the residual after each tap layer [taps, n, dim].
+  std::vector<torch::Tensor> forward(torch::Tensor cache_k, torch::Tensor cache_v,
+                                     torch::Tensor tokens, torch::Tensor positions, int64_t start,
+                                     torch::Tensor anc, std::vector<int64_t> taps) {
+    const int64_t n = tokens.numel(), L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
+                    cache_k.scalar_type() == torch::kFloat && cache_k.dim() == 5 &&
+                    cache_k.size(0) == L && cache_k.size(1) == 1 && cache_k.size(2) == kv_heads_ &&
+                    cache_k.size(4) == hd_ && cache_v.sizes() == cache_k.sizes(),
+                "cache must be float32 [layers, 1, kv_heads, capacity, head_dim], contiguous");
+    const int64_t capacity = cache_k.size(3);
+    TORCH_CHECK(n >= 1 && start >= 0 && start + n <= capacity, "rows do not fit the cache");
+    TORCH_CHECK(anc.scalar_type() == torch::kBool && anc.dim() == 2 && anc.size(0) == n &&
+                    anc.size(1) == n, "anc must be bool [n, n]");
+    tokens = tokens.to(torch::kLong).contiguous();
+    positions = positions.to(torch::kLong).contiguous();
+    anc = anc.contiguous();
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(tok[r] >= 0 && tok[r] < emb_.size(0), "token id out of range");
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_.size(0), "position past the rope table");
+    }
+    for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < L, "tap layer out of range");
+
+    const int64_t qw = heads_ * hd_, kvw = kv_heads_ * hd_, qkvw = qw + 2 * kvw;
+    // scratch kept between calls: a fresh allocation per call costs page faults
+    std::vector<float>&x = x_, &h = h_, &qkv = qkv_, &attn = attn_, &gu = gu_, &act = act_,
+                       &y = y_;
+    x.resize(n * dim_); h.resize(n * std::max(dim_, qw)); qkv.resize(n * qkvw);
+    attn.resize(n * qw); gu.resize(n * 2 * ffn_); act.resize(n * ffn_); y.resize(n * dim_);
+    const float* emb = emb_.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&x[r * dim_], emb + tok[r] * dim_, dim_ * 4);
+    auto hiddens = torch::empty({static_cast<int64_t>(taps.size()), n, dim_}, torch::kFloat);
+    QAct& a = act_q_;
+    const int64_t layer_stride = kv_heads_ * capacity * hd_;
+
+    for (int64_t li = 0; li < L; ++li) {
+      const Layer& ly = layers_[li];
+      rms_norm_rows(x.data(), ly.attn_norm.data_ptr<float>(), h.data(), n, dim_, eps_);
+      quantize_rows(h.data(), n, dim_, a);
+      qmatmul_into(ly.qkv, a, qkv.data(), qkvw);
+      if (ly.qkv_bias.numel()) {
+        const float* b = ly.qkv_bias.data_ptr<float>();
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t i = 0; i < qkvw; ++i) qkv[r * qkvw + i] += b[i];
+      }
+      float* kl = cache_k.data_ptr<float>() + li * layer_stride;
+      float* vl = cache_v.data_ptr<float>() + li * layer_stride;
+      place_qkv(ly, qkv.data(), n, pos, kl, vl, start, capacity);
+      attend(qkv.data(), qkvw, kl, vl, start, capacity, anc.data_ptr<bool>(), n, attn.data());
+      quantize_rows(attn.data(), n, qw, a);
+      qmatmul_into(ly.o, a, y.data(), dim_);
+      for (int64_t i = 0; i < n * dim_; ++i) x[i] += y[i];
+
+      rms_norm_rows(x.data(), ly.ffn_norm.data_ptr<float>(), h.data(), n, dim_, eps_);
+      quantize_rows(h.data(), n, dim_, a);
+      qmatmul_into(ly.gate_up, a, gu.data(), 2 * ffn_);
+      silu_mul(gu.data(), act.data(), n);
+      quantize_rows(act.data(), n, ffn_, a);
+      qmatmul_into(ly.down, a, y.data(), dim_);
+      for (int64_t i = 0; i < n * dim_; ++i) x[i] += y[i];
+      for (size_t t = 0; t < taps.size(); ++t)
+        if (taps[t] == li) std::memcpy(hiddens[t].data_ptr<float>(), x.data(), n * dim_ * 4);
+    }
+    auto out = torch::empty({n, dim_}, torch::kFloat);
+    rms_norm_rows(x.data(), out_norm_.data_ptr<float>(), out.data_ptr<float>(), n, dim_, eps_);
+    return {out, hiddens};
+  }
+
+  // Logits [n, vocab] and argmax [n] of final-normed rows. Quantised logits carry the int8
+  // activation's rounding; every logit within 2^-6 of its row's max is recomputed in float32
+  // from head_f32, so near-ties are decided as float32 decides them.
+  std::vector<torch::Tensor> head(torch::Tensor rows) {
+    TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim_ && rows.scalar_type() == torch::kFloat,
+                "rows must be float32 [n, dim]");
+    rows = rows.contiguous();
+    const int64_t n = rows.size(0), vocab = head_.n;
+    auto logits = qmatmul(head_, rows);
+    auto argmax = torch::empty({n}, torch::kLong);
+    float* lg = logits.data_ptr<float>();
+    const float* hf = head_f32_.data_ptr<float>();
+    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* lr = lg + r * vocab;
+        const float top = *std::max_element(lr, lr + vocab);
+        const float floor = top - std::fabs(top) * 0.015625f;
+        const float* xr = rows.data_ptr<float>() + r * dim_;
+        int64_t best = 0;
+        for (int64_t c = 0; c < vocab; ++c) {
+          if (lr[c] >= floor) lr[c] = vdot(xr, hf + c * dim_, dim_);
+          if (lr[c] > lr[best]) best = c;
+        }
+        argmax.data_ptr<int64_t>()[r] = best;
+      }
+    });
+    return {logits, argmax};
+  }
+
+ private:
+  // RoPE (adjacent pairs) and the optional q/k norms, then K/V into their cache slots.
+  void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos, float* kl,
+                 float* vl, int64_t start, int64_t capacity) {
+    const int64_t qw = heads_ * hd_, kvw = kv_heads_ * hd_, qkvw = qw + 2 * kvw, half = hd_ / 2;
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = qkv + r * qkvw;
+      const float* cs = cos_.data_ptr<float>() + pos[r] * half;
+      const float* sn = sin_.data_ptr<float>() + pos[r] * half;
+      for (int64_t hh = 0; hh < heads_ + kv_heads_; ++hh) {
+        float* v = row + hh * hd_;
+        const torch::Tensor& norm = hh < heads_ ? ly.q_norm : ly.k_norm;
+        if (norm.numel()) rms_norm_rows(v, norm.data_ptr<float>(), v, 1, hd_, eps_);
+        for (int64_t i = 0; i < half; ++i) {
+          const float x0 = v[2 * i], x1 = v[2 * i + 1];
+          v[2 * i] = x0 * cs[i] - x1 * sn[i];
+          v[2 * i + 1] = x1 * cs[i] + x0 * sn[i];
+        }
+      }
+      for (int64_t g = 0; g < kv_heads_; ++g) {
+        std::memcpy(kl + (g * capacity + start + r) * hd_, row + qw + g * hd_, hd_ * 4);
+        std::memcpy(vl + (g * capacity + start + r) * hd_, row + qw + kvw + g * hd_, hd_ * 4);
+      }
+    }
+  }
+
+  // Softmax attention per (row, head) over the row's visible slots in slot order. Rows are
+  // taken four at a time per KV head so a key or value read serves every query that needs it;
+  // each (row, head) still adds its own terms in its own fixed order.
+  void attend(const float* qkv, int64_t qkvw, const float* kl, const float* vl, int64_t start,
+              int64_t capacity, const bool* anc, int64_t n, float* out) {
+    constexpr int64_t RB = 4;
+    const int64_t group = heads_ / kv_heads_, row_blocks = (n + RB - 1) / RB;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd_));
+    const int64_t span = round_up(start + n, W);
+    at::parallel_for(0, kv_heads_ * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores(RB * group * span), acc(RB * group * hd_);
+      std::vector<int64_t> len(RB * group);
+      std::vector<float> total(RB * group);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = t / row_blocks, r0 = (t % row_blocks) * RB;
+        const int64_t rows = std::min(RB, n - r0), pairs = rows * group;
+        const float* kg = kl + g * capacity * hd_;
+        const float* vg = vl + g * capacity * hd_;
+        auto query = [&](int64_t p) {
+          return qkv + (r0 + p / group) * qkvw + (g * group + p % group) * hd_;
+        };
+        for (int64_t s = 0; s < start; ++s)
+          for (int64_t p = 0; p < pairs; ++p)
+            scores[p * span + s] = vdot(query(p), kg + s * hd_, hd_) * scale;
+        for (int64_t p = 0; p < pairs; ++p) {
+          const bool* seen = anc + (r0 + p / group) * n;
+          int64_t m = start;
+          for (int64_t j = 0; j < n; ++j)
+            if (seen[j]) scores[p * span + m++] = vdot(query(p), kg + (start + j) * hd_, hd_) * scale;
+          len[p] = m;
+          float* sp = &scores[p * span];
+          const float top = *std::max_element(sp, sp + m);
+          for (int64_t s = 0; s < m; ++s) sp[s] -= top;
+          for (int64_t s = m; s < round_up(m, W); ++s) sp[s] = -100.0f;
+          exp_inplace(sp, m);
+          float sum = 0.0f;
+          for (int64_t s = 0; s < m; ++s) sum += sp[s];
+          total[p] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t s = 0; s < start; ++s) {
+          const float* v = vg + s * hd_;
+          for (int64_t p = 0; p < pairs; ++p) {
+            const vf w = vset1(scores[p * span + s]);
+            float* ap = &acc[p * hd_];
+            for (int64_t i = 0; i < hd_; i += W) vstore(ap + i, vfma(w, vload(v + i), vload(ap + i)));
+          }
+        }
+        for (int64_t p = 0; p < pairs; ++p) {
+          const bool* seen = anc + (r0 + p / group) * n;
+          float* ap = &acc[p * hd_];
+          int64_t m = start;
+          for (int64_t j = 0; j < n; ++j) {
+            if (!seen[j]) continue;
+            const vf w = vset1(scores[p * span + m++]);
+            const float* v = vg + (start + j) * hd_;
+            for (int64_t i = 0; i < hd_; i += W) vstore(ap + i, vfma(w, vload(v + i), vload(ap + i)));
+          }
+          const vf inv = vset1(1.0f / total[p]);
+          float* o = out + (r0 + p / group) * heads_ * hd_ + (g * group + p % group) * hd_;
+          for (int64_t i = 0; i < hd_; i += W) vstore(o + i, vmul(vload(ap + i), inv));
+        }
+      }
+    });
+  }
+
+  // act = silu(gate) * up, gate and up side by side in each row of gu.
+  void silu_mul(const float* gu, float* act, int64_t n) {
+    for (int64_t r = 0; r < n; ++r) {
+      const float* g = gu + r * 2 * ffn_;
+      const float* u = g + ffn_;
+      float* o = act + r * ffn_;
+      int64_t i = 0;
+      for (; i + W <= ffn_; i += W) {
+        const vf gv = vload(g + i);
+        const vf e = vexp(vmul(gv, vset1(-1.0f)));
+        vstore(o + i, vmul(vmul(gv, vload(u + i)), reciprocal(vadd(vset1(1.0f), e))));
+      }
+      for (; i < ffn_; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  }
+
+  static vf reciprocal(vf a) {
+#ifdef ADASPARK_AVX512
+    return _mm512_div_ps(vset1(1.0f), a);
+#else
+    return _mm256_div_ps(vset1(1.0f), a);
+#endif
+  }
+
+  int64_t dim_, heads_, kv_heads_, hd_, ffn_;
+  float eps_;
+  torch::Tensor cos_, sin_, emb_, out_norm_;
+  QWeight head_;
+  torch::Tensor head_f32_;
+  std::vector<Layer> layers_;
+  std::vector<float> x_, h_, qkv_, attn_, gu_, act_, y_;
+  QAct act_q_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") = kIsa;
+  py::class_<QWeight>(m, "QWeight")
+      .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor>(),
+           py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"))
+      .def("matmul", [](const QWeight& w, torch::Tensor x) { return qmatmul(w, x); },
+           py::call_guard<py::gil_scoped_release>())
+      .def_readonly("n", &QWeight::n)
+      .def_readonly("k", &QWeight::k);
+  py::class_<Model>(m, "Model")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
+                    torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor>())
+      .def("add_layer", &Model::add_layer)
+      .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
+      .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());
+}

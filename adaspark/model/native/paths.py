@@ -1,0 +1,23 @@
+"""Where the native forward's source and builds live, and how each build is compiled."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "forward.cpp"
+BUILD_DIR = HERE / "_build"
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+PREFERENCE = ("avx512", "avx2")  # best first
+
+
+def module_name(isa: str) -> str:
+    return f"adaspark_native_{isa}"
+
+
+def source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()

@@ -1,0 +1,166 @@
+"""The native forward (adaspark/model/native): its quantised matmul against a float64
+dequantised reference, and rows that do not depend on the other rows of a call, on every build
+this CPU runs (AVX-512 VNNI where present, and always the AVX2 one).
+
+Tolerances come from the arithmetic: activations are rounded to int8 per block of 32 (an error
+of at most half a step, dx/2, per input), integer dot products are exact, and the float terms
+(two products and a sum per block) round at most a few times 2^-24 of their own size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from adaspark.model import native
+from adaspark.model.gguf import GGUFTensor, read_gguf
+
+BUILDS = native.runnable_isas()
+
+
+def module_for(isa: str):
+    module, why = native.load_isa(isa)
+    if module is None:
+        pytest.skip(f"native {isa} build not usable here: {why}")
+    return module
+
+
+@pytest.fixture(scope="module")
+def gguf(model_path):
+    return read_gguf(model_path)
+
+
+def random_tensor(qtype: str, n: int, k: int, seed: int) -> GGUFTensor:
+    """A GGUF tensor of random blocks: fp16 scales, random codes (Q4_1 with random minimums)."""
+    rng = np.random.default_rng(seed)
+    blocks = n * k // 32
+    scale = (rng.standard_normal(blocks) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == "Q8_0":
+        codes = rng.integers(-128, 128, (blocks, 32)).astype(np.int8).view(np.uint8)
+        data = np.concatenate([scale, codes], 1)
+    else:
+        codes = rng.integers(0, 256, (blocks, 16), dtype=np.uint8)
+        if qtype == "Q4_1":
+            low = (rng.standard_normal(blocks) * 0.1).astype(np.float16).view(np.uint8)
+            data = np.concatenate([scale, low.reshape(-1, 2), codes], 1)
+        else:
+            data = np.concatenate([scale, codes], 1)
+    from gguf import GGMLQuantizationType
+
+    return GGUFTensor("random", GGMLQuantizationType[qtype], (n, k), data.reshape(-1))
+
+
+def quantised(x: np.ndarray) -> np.ndarray:
+    """x [rows, k] float32 as the kernel rounds it: per block of 32, int8 codes times amax/127
+    (float32 steps, ties to even), returned in float64."""
+    xb = x.reshape(len(x), -1, 32).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    step = amax / np.float32(127)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0)
+    codes = np.clip(np.rint((xb * inverse).astype(np.float32)), -127, 127)
+    return (codes.astype(np.float64) * step.astype(np.float64)).reshape(x.shape)
+
+
+def check_against_float64(t: GGUFTensor, x: np.ndarray, got: np.ndarray) -> None:
+    """got = x W^T from the kernel. Two bounds: the kernel against float64 arithmetic on the
+    rounded activations (float32 rounding only: a few 2^-24 of the terms' size, so an integer
+    or layout slip fails it), and the rounded activations against exact x (half a step per
+    input times |w|)."""
+    bits, u, d, m = native.unsigned_blocks(t)
+    n, nb, _ = u.shape
+    w = t.dequantize().astype(np.float64)
+    xq = quantised(x)
+    on_rounded = xq @ w.T
+    terms = np.abs(xq) @ (np.abs(d[..., None] * u) + np.abs(m[..., None])).reshape(n, -1).T
+    assert np.all(np.abs(got - on_rounded) <= (nb + 4) * 2**-22 * terms), \
+        float(np.max(np.abs(got - on_rounded) / terms))
+    steps = np.abs(x.astype(np.float64)).reshape(len(x), nb, 32).max(-1) / 127
+    weight_sums = np.abs(w).reshape(n, nb, 32).sum(-1)
+    half_steps = np.einsum("rb,nb->rn", steps * (0.5 + 2**-20), weight_sums)
+    assert np.all(np.abs(on_rounded - x.astype(np.float64) @ w.T) <= half_steps)
+
+
+CASES = [("Q4_1", 48, 576), ("Q4_0", 40, 96), ("Q8_0", 33, 576), ("Q4_1", 16, 1536)]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("qtype,n,k", CASES)
+def test_random_weights_match_the_float64_reference(isa, qtype, n, k):
+    module = module_for(isa)
+    t = random_tensor(qtype, n, k, seed=n + k)
+    x = np.random.default_rng(1).standard_normal((7, k)).astype(np.float32)
+    got = native.pack(module, [t]).matmul(torch.from_numpy(x)).double().numpy()
+    assert got.shape == (7, n)
+    check_against_float64(t, x, got)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight",
+                                  "token_embd.weight"])
+def test_real_weights_match_the_float64_reference(isa, gguf, name):
+    module = module_for(isa)
+    t = gguf.tensors[name]
+    rows = t if t.shape[0] <= 4096 else GGUFTensor(t.name, t.qtype, (4096, t.shape[1]),
+                                                   t.data.reshape(t.shape[0], -1)[:4096])
+    x = np.random.default_rng(2).standard_normal((3, t.shape[1])).astype(np.float32)
+    got = native.pack(module, [rows]).matmul(torch.from_numpy(x)).double().numpy()
+    check_against_float64(rows, x, got)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_fused_outputs_equal_separate_weights(isa, gguf):
+    module = module_for(isa)
+    parts = [gguf.tensors[f"blk.2.attn_{p}.weight"] for p in "qkv"]
+    x = torch.randn(5, 576)
+    fused = native.pack(module, parts).matmul(x)
+    alone = torch.cat([native.pack(module, [p]).matmul(x) for p in parts], 1)
+    assert torch.equal(fused, alone)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_a_row_does_not_depend_on_the_rows_beside_it(isa, gguf):
+    module = module_for(isa)
+    w = native.pack(module, [gguf.tensors["blk.4.ffn_gate.weight"]])
+    x = torch.randn(33, 576) * torch.logspace(-2, 2, 33)[:, None]
+    alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(33)])
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16, 33):
+        assert torch.equal(w.matmul(x[:rows]), alone[:rows]), rows
+    order = torch.randperm(33, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(w.matmul(x[order]), alone[order])
+
+
+def test_every_x86_build_is_offered_where_the_cpu_runs_it():
+    flags = native.cpu_flags()
+    if {"avx2", "fma"} <= flags:
+        assert "avx2" in BUILDS
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        assert BUILDS[0] == "avx512"
+
+
+def test_bad_inputs_are_refused(gguf):
+    module = module_for(BUILDS[0]) if BUILDS else pytest.skip("no native build runs here")
+    w = native.pack(module, [gguf.tensors["blk.0.attn_q.weight"]])
+    with pytest.raises(RuntimeError, match="float32"):
+        w.matmul(torch.randn(2, 100))
+    with pytest.raises(RuntimeError, match="wrong size"):
+        module.QWeight(4, 16, 64, torch.zeros(3, dtype=torch.uint8),
+                       torch.zeros(32, dtype=torch.float16), torch.zeros(32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="cannot be packed"):
+        native.pack(module, [GGUFTensor("f", gguf.tensors["blk.0.attn_norm.weight"].qtype,
+                                        (1, 576), np.zeros(576 * 4, np.uint8))])
+
+
+def test_a_stale_build_is_not_loaded(monkeypatch):
+    native.load_isa.cache_clear()
+    monkeypatch.setattr(native, "source_hash", lambda: "0" * 64)
+    try:
+        module, why = native.load_isa("avx2")
+        assert module is None and ("older" in why or "no avx2 build" in why)
+    finally:
+        native.load_isa.cache_clear()
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("ADASPARK_NATIVE", "off")
+    assert native.load() == (None, "turned off by ADASPARK_NATIVE=off")

@@ -1,0 +1,109 @@
+"""The embedded model on the native forward, on every build this CPU runs: a row's logits, hidden
+states and K/V are bit-identical whatever else shares its call (tree, chain, one-row step,
+prefill chunk), so speculation emits exactly plain decoding's tokens in fast precision too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_forward import CHAIN, PARENTS, PROMPT, TAPS, TREE_TOKENS, ancestors, depths
+
+from adaspark.model import native, transformer
+from adaspark.model.transformer import Transformer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=native.runnable_isas())
+def model(request, model_path):
+    module, why = native.load_isa(request.param)
+    if module is None:
+        pytest.skip(f"native {request.param} build not usable here: {why}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ADASPARK_NATIVE", request.param)
+        m = Transformer.from_gguf(model_path, precision="fast", max_context=512, calibrate=False)
+    assert m.native is not None and m.kernels.choose(1) == f"native-{module.ISA}"
+    return m
+
+
+def verify_rows(model, rows):
+    index = {r: i for i, r in enumerate(rows)}
+    parents = [index[PARENTS[r]] if PARENTS[r] >= 0 else -1 for r in rows]
+    model.reset()
+    model.prefill(PROMPT)
+    return model.verify([TREE_TOKENS[r] for r in rows], depths(parents), ancestors(parents),
+                        TAPS, return_logits=True)
+
+
+def assert_same_rows(a, b, rows_a, rows_b=None):
+    rows_b = list(range(len(rows_a))) if rows_b is None else rows_b
+    assert torch.equal(a.logits[rows_a], b.logits[rows_b])
+    assert torch.equal(a.argmax[rows_a], b.argmax[rows_b])
+    for layer in TAPS:
+        assert torch.equal(a.hiddens[layer][rows_a], b.hiddens[layer][rows_b])
+
+
+def test_rows_are_bit_identical_at_every_width(model):
+    tree = verify_rows(model, range(len(PARENTS)))
+    for rows in (CHAIN, [0, 1, 4], [0, 2], [0, 1], [0]):
+        assert_same_rows(tree, verify_rows(model, rows), rows)
+
+
+def test_a_one_row_step_equals_its_prefill_row(model):
+    model.reset()
+    whole = model.prefill(PROMPT, TAPS, return_logits=True)
+    model.reset()
+    model.prefill(PROMPT[:-1])
+    step = model.verify(PROMPT[-1:], [0], [[True]], TAPS, return_logits=True)
+    assert torch.equal(step.logits, whole.logits) and torch.equal(step.argmax, whole.argmax)
+    for layer in TAPS:
+        assert torch.equal(step.hiddens[layer], whole.hiddens[layer][-1:])
+
+
+def test_commit_leaves_the_cache_of_a_fresh_prefill_bit_for_bit(model):
+    path = [0, 1, 4]
+    verify_rows(model, range(len(PARENTS)))
+    model.commit(path)
+    n = model.cache.length
+    committed = model.cache.k[:, :, :, :n].clone(), model.cache.v[:, :, :, :n].clone()
+    model.reset()
+    model.prefill(PROMPT + [TREE_TOKENS[r] for r in path])
+    assert torch.equal(committed[0], model.cache.k[:, :, :, :n])
+    assert torch.equal(committed[1], model.cache.v[:, :, :, :n])
+
+
+def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
+    model.reset()
+    whole = model.prefill(PROMPT, TAPS, return_logits=True)
+    k = model.cache.k[:, :, :, :len(PROMPT)].clone()
+    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
+    model.reset()
+    chunked = model.prefill(PROMPT, TAPS, return_logits=True)
+    assert torch.equal(chunked.logits, whole.logits)
+    assert torch.equal(k, model.cache.k[:, :, :, :len(PROMPT)])
+    for layer in TAPS:
+        assert torch.equal(chunked.hiddens[layer], whole.hiddens[layer])
+
+
+def test_native_follows_the_torch_path_closely(model):
+    """Both round activations (int8 blocks here, bf16 there): rows agree to a few percent and
+    the greedy tokens agree on this prompt; a wrong mask or weight layout would be ~100% off."""
+    tree = verify_rows(model, range(len(PARENTS)))
+    model.reset()
+    model.prefill(PROMPT, kernel="int4")
+    torch_rows = model.verify([TREE_TOKENS[r] for r in range(len(PARENTS))], depths(PARENTS),
+                              ancestors(PARENTS), TAPS, return_logits=True, kernel="int4")
+    error = (tree.hiddens[29] - torch_rows.hiddens[29]).norm(dim=-1)
+    assert float((error / torch_rows.hiddens[29].norm(dim=-1)).max()) < 2**-4
+    assert torch.equal(tree.argmax, torch_rows.argmax)
+
+
+def test_bad_rows_are_refused(model):
+    model.reset()
+    model.prefill(PROMPT)
+    with pytest.raises(RuntimeError, match="anc must be bool"):
+        model.native.forward(model.cache.k, model.cache.v, torch.tensor([5]), torch.tensor([10]),
+                             10, torch.ones(2, 2, dtype=torch.bool), [])
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        model.native.forward(model.cache.k, model.cache.v, torch.tensor([10**6]),
+                             torch.tensor([10]), 10, torch.ones(1, 1, dtype=torch.bool), [])

@@ -26,3 +26,15 @@ def fast_model(model_path):
     from adaspark.model.transformer import Transformer
 
     return Transformer.from_gguf(model_path, precision="fast", max_context=512, calibrate=False)
+
+
+@pytest.fixture(scope="session")
+def torch_model(model_path):
+    """Fast precision on the torch path alone (what runs without the native build, or on CUDA):
+    float32 KV cache, kernels chosen by row count."""
+    from adaspark.model.transformer import Transformer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ADASPARK_NATIVE", "off")
+        return Transformer.from_gguf(model_path, precision="fast", max_context=512,
+                                     calibrate=False)

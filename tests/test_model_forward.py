@@ -62,14 +62,14 @@ def test_chain_inside_a_tree_is_bit_exact_in_reference(reference_model):
 
 
 @pytest.mark.parametrize("kernel", ["int4", "bf16"])
-def test_torch_kernel_rows_barely_depend_on_width(fast_model, kernel):
+def test_torch_kernel_rows_barely_depend_on_width(torch_model, kernel):
     """The torch path (no native build, CUDA): rows round activations to bf16 (8 bits), and
     attention sums a row's ancestors in other lanes within a tree, so a float32 difference in
     the last bits can flip a bf16 rounding at any of the ~120 casts on the way; rows then
     differ by a few bf16 steps. 2^-4 is far above that and far below a wrong mask (~100%).
     The native path is bit-exact instead (test_native_forward.py)."""
-    tree = verify_tree(fast_model, range(len(PARENTS)), kernel)
-    chain = verify_tree(fast_model, CHAIN, kernel)
+    tree = verify_tree(torch_model, range(len(PARENTS)), kernel)
+    chain = verify_tree(torch_model, CHAIN, kernel)
     assert torch.equal(tree.argmax[CHAIN], chain.argmax)
     assert_rows_close(tree.logits[CHAIN], chain.logits, 2**-4)
     assert_rows_close(tree.hiddens[29][CHAIN], chain.hiddens[29], 2**-4)

@@ -85,17 +85,28 @@ def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
         assert torch.equal(chunked.hiddens[layer], whole.hiddens[layer])
 
 
-def test_native_follows_the_torch_path_closely(model):
-    """Both round activations (int8 blocks here, bf16 there): rows agree to a few percent and
-    the greedy tokens agree on this prompt; a wrong mask or weight layout would be ~100% off."""
+def test_native_stays_near_float32_reference(model, reference_model):
+    """Activations rounded to int8 per block of 32 (as ggml does for these weights) move the
+    last layer's rows by a few percent of the float32 reference (measured ~4%); 2^-3 leaves
+    room for other CPUs' float rounding and is far below a wrong mask or weight layout (~100%).
+    The head's argmax is the float32 head's own (forward.cpp refines every near-top logit)."""
     tree = verify_rows(model, range(len(PARENTS)))
+    exact = verify_rows(reference_model, range(len(PARENTS)))
+    for layer in TAPS:
+        error = (tree.hiddens[layer] - exact.hiddens[layer]).norm(dim=-1)
+        assert float((error / exact.hiddens[layer].norm(dim=-1)).max()) < 2**-3, layer
+    assert torch.equal(tree.argmax, exact.argmax)
+
+
+def test_the_argmax_is_the_float32_heads(model):
     model.reset()
-    model.prefill(PROMPT, kernel="int4")
-    torch_rows = model.verify([TREE_TOKENS[r] for r in range(len(PARENTS))], depths(PARENTS),
-                              ancestors(PARENTS), TAPS, return_logits=True, kernel="int4")
-    error = (tree.hiddens[29] - torch_rows.hiddens[29]).norm(dim=-1)
-    assert float((error / torch_rows.hiddens[29].norm(dim=-1)).max()) < 2**-4
-    assert torch.equal(tree.argmax, torch_rows.argmax)
+    rows, _ = model.native.forward(model.cache.k, model.cache.v, torch.tensor(PROMPT),
+                                   torch.arange(len(PROMPT)), 0,
+                                   torch.ones(len(PROMPT), len(PROMPT), dtype=torch.bool).tril(),
+                                   [])
+    logits, argmax = model.native.head(rows)
+    assert torch.equal(argmax, (rows @ model.tok_embeddings.T).argmax(-1))
+    assert torch.equal(argmax, logits.argmax(-1))
 
 
 def test_bad_rows_are_refused(model):

@@ -10,8 +10,9 @@ Layout choices:
   HF's half split, so their q/k rows are permuted the same way at load. Attention scores are
   unchanged: q and k share the permutation.
 - Precision "fast" on a CPU with the native build (native/forward.cpp): one native call per
-  forward, quantised weights times int8-quantised activations, every row's arithmetic
-  independent of the other rows (a tree row is bit-identical to the same row decoded alone).
+  forward, quantised weights times int8-quantised activations, an fp16 KV cache, every row's
+  arithmetic independent of the other rows (a tree row is bit-identical to the same row
+  decoded alone).
 - Precision "fast" otherwise (CUDA, no compiler, or an explicit `kernel`): float32 residual
   stream and norms; matmuls in bf16 activations with the kernel chosen by row count
   (kernels.py); float32 KV cache and SDPA attention (rounding there follows the tree layout:
@@ -230,11 +231,12 @@ class Transformer:
         self.head_fp32 = self.tok_embeddings if head == "token_embd.weight" else None
 
         capacity = max_context or min(c.context_length, DEFAULT_MAX_CONTEXT)
-        self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, torch.float32,
-                             self.device)
         self._rope_tables(w.optional("rope_freqs.weight"), capacity)
         self.native_isa: str | None = None
         self.native, self.native_note = self._native_model(w, head)
+        # the native forward keeps K/V in fp16 (half the bytes to read at long contexts)
+        self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity,
+                             torch.float32 if self.native is None else torch.float16, self.device)
         # torch kernels by row count: every forward without the native build, and the batched
         # paths (drafter data) with it
         self.torch_kernels = self._kernel_table(f, calibrate and self.native is None)
@@ -275,7 +277,8 @@ class Transformer:
                     else torch.from_numpy(w.raw(head).dequantize()))
         model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
                              self.rope_cos, self.rope_sin, self.tok_embeddings, self.norm,
-                             native.pack(module, [w.raw(head)]), head_f32)
+                             native.pack(module, [w.raw(head)]), head_f32,
+                             native.error_scales(w.raw(head)))
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
@@ -347,6 +350,8 @@ class Transformer:
                 cache.k[i, rows, :, slots] = k[:, :, 0]
                 cache.v[i, rows, :, slots] = v[:, :, 0]
             keys, values = cache.k[i, :, :, :span], cache.v[i, :, :, :span]
+            if keys.dtype != q.dtype:  # an fp16 cache made for the native forward
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             if tree is not None:
                 start = span - n
                 attn = exact_tree_attention(q, keys[:, :, :start], values[:, :, :start], k, v,

@@ -132,5 +132,15 @@ def pack(module: ModuleType, tensors: Sequence[GGUFTensor]):
                           *(torch.from_numpy(a.reshape(-1)) for a in half))
 
 
+def error_scales(t: GGUFTensor) -> torch.Tensor:
+    """[2, blocks] float32: per block, the largest sum of |w| over the outputs (the int8
+    rounding of half a step per input costs at most that much per unit step) and the largest
+    sum of |d*u| + |m| (what float rounding scales with). Their use: forward.cpp's head."""
+    _, u, d, m = unsigned_blocks(t)
+    w = np.abs(d[..., None] * u.astype(np.float32) + m[..., None]).sum(-1)
+    terms = (np.abs(d[..., None] * u.astype(np.float32)) + np.abs(m[..., None])).sum(-1)
+    return torch.from_numpy(np.stack([w.max(0), terms.max(0)]).astype(np.float32) * (1 + 2**-10))
+
+
 def packable(tensors: Sequence[GGUFTensor]) -> bool:
     return all(t.qtype in PACKABLE and t.shape[1] % GROUP == 0 for t in tensors)

@@ -13,6 +13,7 @@
 //   activation arithmetic.
 // - A weight tile is loaded and unpacked once per call and used for every row of the call, so
 //   extra verify rows add arithmetic, not weight traffic.
+// - K/V are cached in fp16: attention reads half the bytes at long contexts.
 // - Every row is computed by the same instruction sequence whatever the other rows are and
 //   however many share the call (per-row accumulators, fixed reduction order, attention summed
 //   slot by slot in slot order). A row's logits and hidden states are bit-identical in a tree,
@@ -41,6 +42,7 @@ static const char* kIsa = "avx2";
 namespace {
 
 constexpr int kBlock = 32;  // inputs per quantisation block
+constexpr int kMaxHeadVectors = 16;  // head_dim up to 16 vectors (256 floats on AVX-512)
 
 // --- float vectors: one set of names for both builds ---------------------------------------------
 
@@ -53,6 +55,8 @@ inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vzero() { return _mm512_setzero_ps(); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float hmax(vf a) { return _mm512_reduce_max_ps(a); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
@@ -68,6 +72,13 @@ inline vf vset1(float x) { return _mm256_set1_ps(x); }
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline float hmax(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
@@ -104,6 +115,30 @@ inline vf vexp(vf x) {
 // exp in place over x[0, n): whole vectors only, so callers keep W-1 floats of slack.
 inline void exp_inplace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += W) vstore(x + i, vexp(vload(x + i)));
+}
+
+// fp16 <-> fp32 for the K/V cache (IEEE round to nearest even both ways).
+#ifdef ADASPARK_AVX512
+inline vf vload_h(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void vstore_h(uint16_t* p, vf a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+}
+#else
+inline vf vload_h(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void vstore_h(uint16_t* p, vf a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+// Dot of a float vector and an fp16 one, length n (a multiple of W), one fixed order.
+inline float vdot_h(const float* a, const uint16_t* b, int64_t n) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload_h(b + i), acc);
+  return vsum(acc);
 }
 
 // Dot of two float vectors of length n (a multiple of W), one fixed order.
@@ -336,12 +371,15 @@ class Model {
  public:
   Model(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
         double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor embeddings,
-        torch::Tensor out_norm, QWeight head, torch::Tensor head_f32)
+        torch::Tensor out_norm, QWeight head, torch::Tensor head_f32, torch::Tensor head_bounds)
       : dim_(dim), heads_(n_heads), kv_heads_(n_kv_heads), hd_(head_dim), ffn_(ffn),
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
         emb_(embeddings.contiguous()), out_norm_(out_norm.contiguous()), head_(std::move(head)),
-        head_f32_(head_f32.contiguous()) {
-    TORCH_CHECK(hd_ % W == 0 && dim_ % W == 0, "head_dim and dim must be multiples of ", W);
+        head_f32_(head_f32.contiguous()), head_bounds_(head_bounds.contiguous()) {
+    TORCH_CHECK(head_bounds_.scalar_type() == torch::kFloat && head_bounds_.numel() == 2 * head_.nb,
+                "head_bounds must be float32 [2, blocks]");
+    TORCH_CHECK(hd_ % W == 0 && dim_ % W == 0 && hd_ / W <= kMaxHeadVectors,
+                "head_dim and dim must be multiples of ", W, ", head_dim at most ", W * kMaxHeadVectors);
     TORCH_CHECK(heads_ % kv_heads_ == 0, "heads must be a multiple of kv heads");
   }
 
@@ -361,10 +399,10 @@ class Model {
                                      torch::Tensor anc, std::vector<int64_t> taps) {
     const int64_t n = tokens.numel(), L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
-                    cache_k.scalar_type() == torch::kFloat && cache_k.dim() == 5 &&
+                    cache_k.scalar_type() == torch::kHalf && cache_k.dim() == 5 &&
                     cache_k.size(0) == L && cache_k.size(1) == 1 && cache_k.size(2) == kv_heads_ &&
                     cache_k.size(4) == hd_ && cache_v.sizes() == cache_k.sizes(),
-                "cache must be float32 [layers, 1, kv_heads, capacity, head_dim], contiguous");
+                "cache must be float16 [layers, 1, kv_heads, capacity, head_dim], contiguous");
     const int64_t capacity = cache_k.size(3);
     TORCH_CHECK(n >= 1 && start >= 0 && start + n <= capacity, "rows do not fit the cache");
     TORCH_CHECK(anc.scalar_type() == torch::kBool && anc.dim() == 2 && anc.size(0) == n &&
@@ -402,8 +440,8 @@ class Model {
         for (int64_t r = 0; r < n; ++r)
           for (int64_t i = 0; i < qkvw; ++i) qkv[r * qkvw + i] += b[i];
       }
-      float* kl = cache_k.data_ptr<float>() + li * layer_stride;
-      float* vl = cache_v.data_ptr<float>() + li * layer_stride;
+      uint16_t* kl = reinterpret_cast<uint16_t*>(cache_k.data_ptr<at::Half>()) + li * layer_stride;
+      uint16_t* vl = reinterpret_cast<uint16_t*>(cache_v.data_ptr<at::Half>()) + li * layer_stride;
       place_qkv(ly, qkv.data(), n, pos, kl, vl, start, capacity);
       attend(qkv.data(), qkvw, kl, vl, start, capacity, anc.data_ptr<bool>(), n, attn.data());
       quantize_rows(attn.data(), n, qw, a);
@@ -425,39 +463,52 @@ class Model {
     return {out, hiddens};
   }
 
-  // Logits [n, vocab] and argmax [n] of final-normed rows. Quantised logits carry the int8
-  // activation's rounding; every logit within 2^-6 of its row's max is recomputed in float32
-  // from head_f32, so near-ties are decided as float32 decides them.
+  // Logits [n, vocab] and argmax [n] of final-normed rows. The quantised logits carry the
+  // int8 activations' rounding, which is bounded: per block, half a step times the largest
+  // sum of |w| over the vocabulary (wmax), plus float rounding of the terms (tmax). Every
+  // logit within twice that bound of the row's quantised max is recomputed in float32 from
+  // head_f32, so the argmax is the float32 head's argmax, not the int8 one.
   std::vector<torch::Tensor> head(torch::Tensor rows) {
     TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim_ && rows.scalar_type() == torch::kFloat,
                 "rows must be float32 [n, dim]");
     rows = rows.contiguous();
-    const int64_t n = rows.size(0), vocab = head_.n;
-    auto logits = qmatmul(head_, rows);
-    auto argmax = torch::empty({n}, torch::kLong);
+    const int64_t n = rows.size(0), vocab = head_.n, nb = head_.nb;
+    QAct& a = head_q_;
+    quantize_rows(rows.data_ptr<float>(), n, dim_, a);
+    auto logits = torch::empty({n, vocab}, torch::kFloat);
     float* lg = logits.data_ptr<float>();
+    qmatmul_into(head_, a, lg, vocab);
+    auto argmax = torch::empty({n}, torch::kLong);
     const float* hf = head_f32_.data_ptr<float>();
-    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* lr = lg + r * vocab;
-        const float top = *std::max_element(lr, lr + vocab);
-        const float floor = top - std::fabs(top) * 0.015625f;
-        const float* xr = rows.data_ptr<float>() + r * dim_;
-        int64_t best = 0;
-        for (int64_t c = 0; c < vocab; ++c) {
-          if (lr[c] >= floor) lr[c] = vdot(xr, hf + c * dim_, dim_);
-          if (lr[c] > lr[best]) best = c;
-        }
-        argmax.data_ptr<int64_t>()[r] = best;
+    const float* wmax = head_bounds_.data_ptr<float>();
+    const float* tmax = wmax + nb;
+    for (int64_t r = 0; r < n; ++r) {
+      double bound = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const double dx = a.dx[r * nb + b];
+        bound += dx * (0.5 + 0x1p-19) * wmax[b] + (nb + 4) * 0x1p-22 * 127.0 * dx * tmax[b];
       }
-    });
+      float* lr = lg + r * vocab;
+      const float floor = static_cast<float>(*std::max_element(lr, lr + vocab) - 2.0 * bound);
+      const float* xr = rows.data_ptr<float>() + r * dim_;
+      std::vector<int64_t> near;
+      for (int64_t c = 0; c < vocab; ++c)
+        if (lr[c] >= floor) near.push_back(c);
+      at::parallel_for(0, static_cast<int64_t>(near.size()), 64, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) lr[near[i]] = vdot(xr, hf + near[i] * dim_, dim_);
+      });
+      int64_t best = near[0];  // lowest id among equal maxima, as torch's argmax
+      for (int64_t c : near)
+        if (lr[c] > lr[best]) best = c;
+      argmax.data_ptr<int64_t>()[r] = best;
+    }
     return {logits, argmax};
   }
 
  private:
   // RoPE (adjacent pairs) and the optional q/k norms, then K/V into their cache slots.
-  void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos, float* kl,
-                 float* vl, int64_t start, int64_t capacity) {
+  void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos, uint16_t* kl,
+                 uint16_t* vl, int64_t start, int64_t capacity) {
     const int64_t qw = heads_ * hd_, kvw = kv_heads_ * hd_, qkvw = qw + 2 * kvw, half = hd_ / 2;
     for (int64_t r = 0; r < n; ++r) {
       float* row = qkv + r * qkvw;
@@ -474,74 +525,69 @@ class Model {
         }
       }
       for (int64_t g = 0; g < kv_heads_; ++g) {
-        std::memcpy(kl + (g * capacity + start + r) * hd_, row + qw + g * hd_, hd_ * 4);
-        std::memcpy(vl + (g * capacity + start + r) * hd_, row + qw + kvw + g * hd_, hd_ * 4);
+        uint16_t* kd = kl + (g * capacity + start + r) * hd_;
+        uint16_t* vd = vl + (g * capacity + start + r) * hd_;
+        for (int64_t i = 0; i < hd_; i += W) {
+          vstore_h(kd + i, vload(row + qw + g * hd_ + i));
+          vstore_h(vd + i, vload(row + qw + kvw + g * hd_ + i));
+        }
       }
     }
   }
 
-  // Softmax attention per (row, head) over the row's visible slots in slot order. Rows are
-  // taken four at a time per KV head so a key or value read serves every query that needs it;
-  // each (row, head) still adds its own terms in its own fixed order.
-  void attend(const float* qkv, int64_t qkvw, const float* kl, const float* vl, int64_t start,
+  // Softmax attention, one task per (row, head), over the row's visible slots: the committed
+  // ones, then its ancestors in the call in row order (parents precede children, so the i-th
+  // visible slot holds position i). Every sum runs over that list in order (exp sums in W
+  // lanes by index), so a row's result is the same in any call: tree, chain, step or prefill.
+  void attend(const float* qkv, int64_t qkvw, const uint16_t* kl, const uint16_t* vl, int64_t start,
               int64_t capacity, const bool* anc, int64_t n, float* out) {
-    constexpr int64_t RB = 4;
-    const int64_t group = heads_ / kv_heads_, row_blocks = (n + RB - 1) / RB;
+    const int64_t group = heads_ / kv_heads_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd_));
-    const int64_t span = round_up(start + n, W);
-    at::parallel_for(0, kv_heads_ * row_blocks, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores(RB * group * span), acc(RB * group * hd_);
-      std::vector<int64_t> len(RB * group);
-      std::vector<float> total(RB * group);
+    at::parallel_for(0, n * heads_, 1, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<float> scores;
+      thread_local std::vector<const uint16_t*> keys, values;
+      scores.resize(round_up(start + n, W));
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t g = t / row_blocks, r0 = (t % row_blocks) * RB;
-        const int64_t rows = std::min(RB, n - r0), pairs = rows * group;
-        const float* kg = kl + g * capacity * hd_;
-        const float* vg = vl + g * capacity * hd_;
-        auto query = [&](int64_t p) {
-          return qkv + (r0 + p / group) * qkvw + (g * group + p % group) * hd_;
-        };
-        for (int64_t s = 0; s < start; ++s)
-          for (int64_t p = 0; p < pairs; ++p)
-            scores[p * span + s] = vdot(query(p), kg + s * hd_, hd_) * scale;
-        for (int64_t p = 0; p < pairs; ++p) {
-          const bool* seen = anc + (r0 + p / group) * n;
-          int64_t m = start;
-          for (int64_t j = 0; j < n; ++j)
-            if (seen[j]) scores[p * span + m++] = vdot(query(p), kg + (start + j) * hd_, hd_) * scale;
-          len[p] = m;
-          float* sp = &scores[p * span];
-          const float top = *std::max_element(sp, sp + m);
-          for (int64_t s = 0; s < m; ++s) sp[s] -= top;
-          for (int64_t s = m; s < round_up(m, W); ++s) sp[s] = -100.0f;
-          exp_inplace(sp, m);
-          float sum = 0.0f;
-          for (int64_t s = 0; s < m; ++s) sum += sp[s];
-          total[p] = sum;
+        const int64_t r = t / heads_, h = t % heads_, g = h / group;
+        const float* q = qkv + r * qkvw + h * hd_;
+        const uint16_t* kg = kl + g * capacity * hd_;
+        const uint16_t* vg = vl + g * capacity * hd_;
+        keys.clear();
+        values.clear();
+        for (int64_t j = 0; j < n; ++j) {
+          if (!anc[r * n + j]) continue;
+          keys.push_back(kg + (start + j) * hd_);
+          values.push_back(vg + (start + j) * hd_);
         }
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t s = 0; s < start; ++s) {
-          const float* v = vg + s * hd_;
-          for (int64_t p = 0; p < pairs; ++p) {
-            const vf w = vset1(scores[p * span + s]);
-            float* ap = &acc[p * hd_];
-            for (int64_t i = 0; i < hd_; i += W) vstore(ap + i, vfma(w, vload(v + i), vload(ap + i)));
-          }
+        const int64_t m = start + static_cast<int64_t>(keys.size());
+        float* sc = scores.data();
+        for (int64_t s = 0; s < start; ++s) sc[s] = vdot_h(q, kg + s * hd_, hd_) * scale;
+        for (size_t i = 0; i < keys.size(); ++i) sc[start + i] = vdot_h(q, keys[i], hd_) * scale;
+        vf top = vset1(-INFINITY);
+        for (int64_t s = 0; s + W <= m; s += W) top = vmax(top, vload(sc + s));
+        float mx = hmax(top);
+        for (int64_t s = m / W * W; s < m; ++s) mx = std::max(mx, sc[s]);
+        const int64_t padded = round_up(m, W);
+        for (int64_t s = m; s < padded; ++s) sc[s] = -INFINITY;
+        const vf shift = vset1(mx);
+        vf lanes = vzero();
+        for (int64_t s = 0; s < padded; s += W) {
+          const vf e = vexp(vsub(vload(sc + s), shift));  // exp(-inf - mx) clamps to ~0 ...
+          vstore(sc + s, e);
         }
-        for (int64_t p = 0; p < pairs; ++p) {
-          const bool* seen = anc + (r0 + p / group) * n;
-          float* ap = &acc[p * hd_];
-          int64_t m = start;
-          for (int64_t j = 0; j < n; ++j) {
-            if (!seen[j]) continue;
-            const vf w = vset1(scores[p * span + m++]);
-            const float* v = vg + (start + j) * hd_;
-            for (int64_t i = 0; i < hd_; i += W) vstore(ap + i, vfma(w, vload(v + i), vload(ap + i)));
-          }
-          const vf inv = vset1(1.0f / total[p]);
-          float* o = out + (r0 + p / group) * heads_ * hd_ + (g * group + p % group) * hd_;
-          for (int64_t i = 0; i < hd_; i += W) vstore(o + i, vmul(vload(ap + i), inv));
+        for (int64_t s = m; s < padded; ++s) sc[s] = 0.0f;  // ... and the padding adds nothing
+        for (int64_t s = 0; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
+        const float inv = 1.0f / vsum(lanes);
+        vf acc[kMaxHeadVectors];
+        const int64_t chunks = hd_ / W;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = vzero();
+        for (int64_t s = 0; s < m; ++s) {
+          const uint16_t* v = s < start ? vg + s * hd_ : values[s - start];
+          const vf w = vset1(sc[s]);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = vfma(w, vload_h(v + c * W), acc[c]);
         }
+        float* o = out + r * heads_ * hd_ + h * hd_;
+        for (int64_t c = 0; c < chunks; ++c) vstore(o + c * W, vmul(acc[c], vset1(inv)));
       }
     });
   }
@@ -574,7 +620,8 @@ class Model {
   float eps_;
   torch::Tensor cos_, sin_, emb_, out_norm_;
   QWeight head_;
-  torch::Tensor head_f32_;
+  torch::Tensor head_f32_, head_bounds_;
+  QAct head_q_;
   std::vector<Layer> layers_;
   std::vector<float> x_, h_, qkv_, attn_, gu_, act_, y_;
   QAct act_q_;
@@ -593,7 +640,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k", &QWeight::k);
   py::class_<Model>(m, "Model")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
-                    torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor>())
+                    torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor,
+                    torch::Tensor>())
       .def("add_layer", &Model::add_layer)
       .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
       .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());

@@ -128,8 +128,8 @@
 
   function costCurve(fig, snap) {
     const cost = snap.cost;
-    const series = [{ name: "1 (plain)", law: cost.plain }]
-      .concat(cost.classes.map((k) => ({ name: String(k.top), law: k })))
+    const series = [{ name: "1 row (plain)", law: cost.plain }]
+      .concat(cost.classes.map((k) => ({ name: `${k.top} rows`, law: k })))
       .filter((s) => s.law.bands.length);
     if (!series.length) return empty(fig, "no verify measured yet");
     const samples = series.flatMap((s) => s.law.bands.flatMap((b) => b.samples));
@@ -156,7 +156,7 @@
       }
       el("rect", { x: 2 * W - 140, y: M.t + 14 * i, width: 10, height: 10, fill: color }, svg);
       el("text", { x: 2 * W - 126, y: M.t + 9 + 14 * i }, svg,
-         `${s.name} rows${s.law.fitted ? "" : " (measuring)"}`);
+         `${s.name}${s.law.fitted ? "" : " (measuring)"}`);
     });
     done(fig, marks);
   }

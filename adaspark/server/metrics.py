@@ -121,31 +121,39 @@ class ServerMetrics:
                                           registry=r)
         self.realised_accepted = Counter("adaspark_realised_accepted_tokens", "Accepted tokens "
                                          "of the same rounds", registry=r)
-        for kind in KINDS:  # every label exists from the start, at 0
-            self.rounds.labels(kind=kind)
-        for source in SOURCES:
-            self.accepted_by_source.labels(source=source)
+        # labelled children made once (every label exists from the start, at 0): a round then
+        # costs plain increments, not label look-ups
+        self._kinds = {kind: self.rounds.labels(kind=kind) for kind in KINDS}
+        self._sources = [(self.accepted_by_source.labels(source=source), key) for source, key
+                         in zip(SOURCES, ("accepted_drafter", "accepted_ngram", "agreed"),
+                                strict=True)]
+        self._verified_at = [self.position_verified.labels(position=str(p))
+                             for p in range(1, MAX_POSITION + 1)]
+        self._accepted_at = [self.position_accepted.labels(position=str(p))
+                             for p in range(1, MAX_POSITION + 1)]
+        self._widths: dict[int, tuple[Any, Any]] = {}
 
     def observe_round(self, record: dict, depths) -> None:
         """One round: its round-log record and the plan's row depths."""
         rows, accepted = record["rows"], record["accepted"]
-        width = str(rows)
-        self.rounds.labels(kind=round_kind(record)).inc()
+        by_width = self._widths.get(rows)
+        if by_width is None:
+            by_width = self._widths[rows] = (self.verify_seconds.labels(width=str(rows)),
+                                             self.draft_seconds.labels(width=str(rows)))
+        self._kinds[round_kind(record)].inc()
         self.verified_rows.observe(rows)
         self.accepted.observe(accepted)
-        self.verify_seconds.labels(width=width).observe(record["verify"])
-        self.draft_seconds.labels(width=width).observe(record["D"])
+        by_width[0].observe(record["verify"])
+        by_width[1].observe(record["D"])
         self.commit_seconds.observe(record["commit"])
-        for source, key in zip(SOURCES, ("accepted_drafter", "accepted_ngram", "agreed"),
-                               strict=True):
+        for counter, key in self._sources:
             if record[key]:
-                self.accepted_by_source.labels(source=source).inc(record[key])
+                counter.inc(record[key])
         if rows > 1:
-            deepest = min(int(max(depths)), MAX_POSITION)
-            for position in range(1, deepest + 1):
-                self.position_verified.labels(position=str(position)).inc()
-            for position in range(1, min(accepted, MAX_POSITION) + 1):
-                self.position_accepted.labels(position=str(position)).inc()
+            for counter in self._verified_at[:int(max(depths))]:
+                counter.inc()
+            for counter in self._accepted_at[:accepted]:
+                counter.inc()
         if record.get("gate_bucket") is not None:
             decision = "draft" if record.get("drafted") else "skip"
             self.gate.labels(bucket=str(record["gate_bucket"]), decision=decision).inc()
@@ -168,7 +176,7 @@ class ServerMetrics:
         self.decode_seconds.inc(t.decode_s)
         self.prefill_seconds.inc(t.prefill_s)
         if plain_rounds_here and t.plain_rounds:
-            self.rounds.labels(kind="plain").inc(t.plain_rounds)
+            self._kinds["plain"].inc(t.plain_rounds)
             for _ in range(t.plain_rounds):
                 self.verified_rows.observe(1)
                 self.accepted.observe(0)

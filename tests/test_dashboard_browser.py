@@ -81,6 +81,9 @@ def test_dashboard_draws_every_chart_in_a_real_browser(browser, served):
     requested, errors = [], []
     page.on("request", lambda r: requested.append(r.url))
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # console errors: a CSP violation shows here; the one expected is the unkeyed fetch's 401
+    page.on("console", lambda m: m.type == "error" and "401" not in m.text and
+            errors.append(m.text))
     page.goto(base + "/dashboard")
     # keyed: the page asks for the key before it shows anything
     page.wait_for_selector("#key-form:not([hidden])", timeout=20_000)

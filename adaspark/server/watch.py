@@ -35,9 +35,11 @@ log = logging.getLogger("adaspark.server")
 SNAPSHOT_EVERY_S = 1.0
 HISTORY = 500
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
-# the page may load and fetch from this server only (and draw its own SVG)
+# the page may load and fetch from this server only (and draw its own SVG); data: is its empty
+# favicon, which keeps the browser from asking the server for /favicon.ico
 DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                 "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+                 "img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                 "frame-ancestors 'none'")
 
 
 class Watch:

@@ -101,6 +101,10 @@ def test_without_a_key_everything_is_open(tmp_path):
     with TestClient(app_with(tmp_path)) as client:
         for method, path in PROTECTED + OPEN:
             assert call(client, method, path).status_code != 401
+        # no engine, so no scheduler: the state says so rather than failing
+        state = call(client, "GET", "/v1/adaspark/state").json()
+        assert state["ready"] is False and state["scheduler"] is None
+        assert state["served"]["requests"] == 0 and state["history"] == []
 
 
 def test_the_comparison_is_timing_safe(keyed, monkeypatch):
@@ -147,3 +151,10 @@ def test_serve_takes_the_key_from_the_flag_or_the_environment(capsys, tmp_path):
     assert flagged.public_metrics
     assert main(["serve", "--api-key", "", "--port", "1"]) == 2  # refused before listening
     assert "API key" in capsys.readouterr().err
+
+
+def test_serve_warns_only_off_loopback():
+    from adaspark.commands.serve import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
+    assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.168.1.5")

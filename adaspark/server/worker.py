@@ -69,12 +69,24 @@ class EngineWorker:
     def _run(self, job: Job) -> Any:
         with self._count:
             self.waiting -= 1
-        result = None
         try:
-            if job.cancel.is_set():
-                raise Cancelled()
-            self._running = job
-            self.last_result = result = self.engine.generate(
+            result = self._generate(job)
+        except BaseException:
+            self._observe(job, None)
+            raise
+        self._observe(job, result)
+        return result
+
+    def _observe(self, job: Job, result: Any) -> None:
+        for observe in self.observers:
+            observe(job, result)
+
+    def _generate(self, job: Job) -> Any:
+        if job.cancel.is_set():
+            raise Cancelled()
+        self._running = job
+        try:
+            self.last_result = self.engine.generate(
                 job.prompt_ids,
                 max_tokens=job.max_tokens,
                 stop=job.stop,
@@ -82,11 +94,9 @@ class EngineWorker:
                 should_stop=job.cancel.is_set,
                 request_id=job.request_id,
             )
-            return result
+            return self.last_result
         finally:
             self._running = None
-            for observe in self.observers:
-                observe(job, result)
 
     def close(self) -> None:
         """Stop the running request at its next token and drop the queued ones."""

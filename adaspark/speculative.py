@@ -105,6 +105,8 @@ class Speculator:
         self.round_log_path = Path(round_log) if round_log else None
         self._log: IO[str] | None = None
         self.round_hook: RoundHook | None = None
+        # called after every round with its round-log record and plan (the server's metrics)
+        self.observers: list[Callable[[dict, Plan], None]] = []
 
     @property
     def arm(self) -> str:
@@ -211,7 +213,10 @@ class Speculator:
             counts.ngram_rounds += 1
         counts.verified_rows += plan.rows
         counts.accepted_tokens += min(len(outcome.tokens), len(emitted))
-        self._write(round_record(record, plan, self.arm, request_id))
+        row = round_record(record, plan, self.arm, request_id)
+        self._write(row)
+        for observe in self.observers:
+            observe(row, plan)
         if self.round_hook is not None:
             self.round_hook(RoundTrace(plan, argmax, outcome, list(rows), emitted))
         return outcome.bonus, done

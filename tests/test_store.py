@@ -82,6 +82,7 @@ def test_wrong_fingerprint_is_refused_and_set_aside(tmp_path):
     assert kept.startswith(f"{ours.path.name}.rejected-")
     ours.save({"learned": 2.0})                  # a fresh store; the refused one is kept
     assert ours.load() == {"learned": 2.0} and len(rejected_files(tmp_path)) == 1
+    assert (ours.saves, ours.rejections) == (1, 1)  # what the server's metrics count
     assert theirs.load() == {"learned": 1.0}
 
 
@@ -102,6 +103,7 @@ def test_save_never_silently_overwrites_a_store_it_cannot_read(tmp_path):
     store.path.write_text("garbage")
     store.save({"x": 1.0})                       # without a load first
     assert store.load() == {"x": 1.0}
+    assert (store.saves, store.rejections) == (1, 1)
     (kept,) = rejected_files(tmp_path)
     assert (tmp_path / kept).read_text() == "garbage"
 

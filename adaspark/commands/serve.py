@@ -7,14 +7,18 @@ ready). A model that fails to load stops the server with that error.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import socket
 
 from adaspark.errors import UserError
+from adaspark.server.auth import ENV_VAR, ApiKey
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--model", default=None,
                         help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
@@ -32,6 +36,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh", action="store_true", help="start from an empty learned store")
     parser.add_argument("--round-log", default=None, metavar="FILE",
                         help="write one JSON line per decoding round")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "and the dashboard's page (default: $ADASPARK_API_KEY, else none)")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="serve /metrics and the dashboard's data without the key")
+
+
+def api_key(args: argparse.Namespace, environ=os.environ) -> str | None:
+    """--api-key, else ADASPARK_API_KEY, else None (no key); an empty or padded key is refused."""
+    key = args.api_key if args.api_key is not None else environ.get(ENV_VAR)
+    if key is not None:
+        ApiKey(key)  # refuses a bad key before the port opens
+    return key
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -48,6 +65,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -59,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # Bad options fail here, at once, rather than after the port has opened.
     if args.arm is not None:
         Arm.parse(args.arm)
+    key = api_key(args)
     model_path = resolve_model(args.model)
     failure: list[BaseException] = []
 
@@ -74,7 +99,16 @@ def run(args: argparse.Namespace) -> int:
 
     sock = listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    app = create_app(load, model_id=model_path.stem)
+    if key is None and not _loopback(args.host):
+        logging.warning("listening on %s without an API key: anyone who reaches the port can "
+                        "use it (--api-key)", args.host)
+    app = create_app(load, model_id=model_path.stem, api_key=key,
+                     public_metrics=args.public_metrics)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    keyed = "" if key is None else (" (open: --public-metrics)" if args.public_metrics
+                                     else " (both behind the API key)")
+    logging.info("dashboard at http://%s:%d/dashboard, Prometheus metrics at /metrics%s", shown,
+                 args.port, keyed)
     # On shutdown, a request still decoding is cancelled after a short grace (its stream's
     # cancellation stops the engine at the next token) instead of holding the exit to its end.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

@@ -19,6 +19,9 @@ API (stable; numpy only):
     model.request_stats -> {"nodes", "fitted_loss", "head_loss", "rounds", "fitted_rounds"}
     model.bucket_labels -> int64[12]      labelled n-gram nodes per bucket (for exploration)
     model.coefficients -> float64[56]     read-only; see COEF_NAMES
+    model.calibration -> float64[3, 10]   since this process started (not stored): per bin of
+                                          the q that priced a labelled node (tenths), its
+                                          count, the sum of that q and the sum of its labels
     model.state_dict() -> dict (JSON-able, exact) / model.load_state_dict(state)
 
 Scores (all + b_req, the per-request intercept):
@@ -76,6 +79,7 @@ DRAFTER_RATE, BUCKET_RATE, BETA, L2, GATE, G2_CAP = 0.05, 0.5, 1.0, 0.01, 3.0, 4
 REQ_RATE, REQ_BAND, REQ_G2_CAP = 0.15, 2.0, 16.0
 HEAD_RATE, HEAD_BAND = 0.15, 2.0
 GUARD_DECAY = 0.5 ** (1.0 / 256.0)  # per labelled parent
+CALIBRATION_BINS = 10
 SCORE_CLIP = 60.0
 LOSS_CLIP = 1e-7
 
@@ -213,6 +217,9 @@ class AcceptanceModel:
         self.guard_fitted = 0.0
         self.guard_head = 0.0
         self.bucket_labels = np.zeros(N_BUCKETS, dtype=np.int64)
+        # predicted against realised acceptance, for the server's dashboard: a diagnostic of
+        # this process, so not part of state_dict()
+        self.calibration = np.zeros((3, CALIBRATION_BINS))
         self.begin_request()
 
     @property
@@ -277,6 +284,7 @@ class AcceptanceModel:
         stats["head_loss"] += head_sum
         stats["rounds"] += 1
         stats["fitted_rounds"] += int(scored.fitted_prices)
+        self._calibrate(scored.q[idx], y)
 
         placed = np.zeros(tree.n_nodes, dtype=bool)
         placed[np.asarray(placed_nodes, dtype=np.int64)] = True
@@ -291,6 +299,13 @@ class AcceptanceModel:
             if ng.size:
                 self.bucket_labels += np.bincount(tree.bucket[ng], minlength=N_BUCKETS)
         return RoundLoss(int(idx.size), fitted_sum, head_sum)
+
+    def _calibrate(self, q: np.ndarray, y: np.ndarray) -> None:
+        bins = np.minimum((q * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
+        n = CALIBRATION_BINS
+        self.calibration[0] += np.bincount(bins, minlength=n)
+        self.calibration[1] += np.bincount(bins, weights=q, minlength=n)
+        self.calibration[2] += np.bincount(bins, weights=y.astype(np.float64), minlength=n)
 
     def state_dict(self) -> dict:
         return {"version": 1, "ftrl": self.ftrl.state_dict(),

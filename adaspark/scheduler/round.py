@@ -188,6 +188,8 @@ class Scheduler:
         self._undrafted: CandidateTree | None = None  # the n-gram tree the gate looked at
         # host seconds per part of the round, summed (benchmarks/scheduler_overhead.py)
         self.part_times: dict[str, float] | None = {} if time_parts else None
+        # rounds by rows verified since this process started (not stored): the width share
+        self.width_rounds: dict[int, int] = {}
 
     def _lap(self, part: str, since: float) -> float:
         if self.part_times is None:
@@ -402,6 +404,7 @@ class Scheduler:
         plan = outcome.plan
         ctx = plan.context_length
         first = self._round == 0
+        self.width_rounds[plan.rows] = self.width_rounds.get(plan.rows, 0) + 1
         verify_ms, fixed_ms, commit_ms = 1000.0 * verify_s, 1000.0 * fixed_s, 1000.0 * commit_s
         record = {
             "context": ctx, "width_offered": plan.width_offered,
@@ -476,6 +479,12 @@ class Scheduler:
             record["logloss_fitted"] = loss.fitted
             record["logloss_head"] = loss.head
             self._lap("learn acceptance", t)
+
+    def snapshot(self, contexts=None) -> dict:
+        """What the scheduler has learned now, as plain JSON-able values (snapshot.py)."""
+        from adaspark.scheduler.snapshot import snapshot
+
+        return snapshot(self, contexts)
 
     # ----- persistence -------------------------------------------------------------------
     def state_dict(self) -> dict:

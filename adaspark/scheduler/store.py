@@ -12,6 +12,7 @@ API (stable):
         .save(state: dict) -> None       atomic: write a temporary file, fsync, rename, fsync the
                                          directory; a crash at any point leaves the old store
         .rejection -> str | None         the message of the last refusal
+        .saves, .rejections -> int       saves done and files refused by this object (metrics)
 
     FORMAT_VERSION: int
 
@@ -65,6 +66,8 @@ class Store:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.path = self.directory / f"store-{digest}.json"
         self.rejection: str | None = None
+        self.saves = 0
+        self.rejections = 0
 
     def _problem(self) -> tuple[str | None, dict | None]:
         """Why the file on disk cannot be used (None if it can), and its state if it can."""
@@ -97,6 +100,7 @@ class Store:
             os.replace(self.path, target)
         except FileNotFoundError:       # another process set it aside first
             return
+        self.rejections += 1
         self.rejection = (f"refused learned store {self.path}: {reason}; "
                           f"set aside as {target.name}, starting from an empty store")
         _log.warning("%s", self.rejection)
@@ -138,6 +142,7 @@ class Store:
                 tmp.unlink()
             raise UserError(f"cannot write learned store {self.path}: {exc}") from None
         _fsync_directory(self.directory)
+        self.saves += 1
 
 
 def _fsync_directory(directory: Path) -> None:

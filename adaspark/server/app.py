@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from adaspark.errors import UserError
+from adaspark.server.auth import ApiKey, ApiKeyMiddleware
 from adaspark.server.errors import (
     error_body,
     error_response,
@@ -32,6 +33,7 @@ from adaspark.server.errors import (
 )
 from adaspark.server.schemas import ChatRequest, Message, RequestError
 from adaspark.server.toolcalls import may_be_tool_call, parse_tool_calls
+from adaspark.server.watch import Watch, watch_routes
 from adaspark.server.worker import Cancelled, EngineWorker, Job
 
 MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context; guards memory only
@@ -63,17 +65,26 @@ def _usage(prompt_tokens: int, result: Any) -> dict[str, int]:
     }
 
 
-def create_app(load_engine: Callable[[], Any], model_id: str) -> FastAPI:
-    """The app; `load_engine()` runs on the engine thread at startup, so the port opens at once."""
+def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | None = None,
+               public_metrics: bool = False) -> FastAPI:
+    """The app; `load_engine()` runs on the engine thread at startup, so the port opens at once.
+    api_key: every route but /health and the dashboard's page needs it (auth.py), /metrics too
+    unless public_metrics."""
+    watch = Watch(model_id)  # metrics, learned state, dashboard (watch.py)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.worker = EngineWorker(load_engine)
+        app.state.worker = EngineWorker(watch.loader(load_engine))
+        watch.watch(app.state.worker)
         yield
         app.state.worker.close()
 
     app = FastAPI(title="adaspark", lifespan=lifespan)
+    app.state.watch = watch
     install_error_handlers(app)
+    app.include_router(watch_routes(watch))
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=ApiKey(api_key), public_metrics=public_metrics)
 
     @app.exception_handler(Unavailable)
     async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:

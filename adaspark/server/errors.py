@@ -16,6 +16,7 @@ log = logging.getLogger("adaspark.server")
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -69,7 +70,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
-            message = "no such route: see /v1/chat/completions, /v1/models, /health"
+            message = ("no such route: see /v1/chat/completions, /v1/models, /health, /metrics, "
+                       "/dashboard")
         return error_response(exc.status_code, message)
 
     @app.exception_handler(Exception)

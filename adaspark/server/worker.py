@@ -39,6 +39,11 @@ class EngineWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaspark-engine")
         self._running: Job | None = None
         self.last_result: Any = None  # the engine's record of the latest finished request
+        self.waiting = 0  # submitted jobs not yet started (the metrics' queue gauge)
+        self._count = threading.Lock()
+        # called on the engine thread after each job: (job, result), or (job, None) when the
+        # job raised or was cancelled before it started (the server's metrics)
+        self.observers: list[Callable[[Job, Any], None]] = []
         self._executor.submit(self._load, load)
 
     def _load(self, load: Callable[[], Any]) -> None:
@@ -52,10 +57,31 @@ class EngineWorker:
     def ready(self) -> bool:
         return self.engine is not None
 
+    @property
+    def running(self) -> int:
+        return int(self._running is not None)
+
     def submit(self, job: Job) -> Future:
+        with self._count:
+            self.waiting += 1
         return self._executor.submit(self._run, job)
 
     def _run(self, job: Job) -> Any:
+        with self._count:
+            self.waiting -= 1
+        try:
+            result = self._generate(job)
+        except BaseException:
+            self._observe(job, None)
+            raise
+        self._observe(job, result)
+        return result
+
+    def _observe(self, job: Job, result: Any) -> None:
+        for observe in self.observers:
+            observe(job, result)
+
+    def _generate(self, job: Job) -> Any:
         if job.cancel.is_set():
             raise Cancelled()
         self._running = job

@@ -164,3 +164,15 @@ def test_a_stale_build_is_not_loaded(monkeypatch):
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("ADASPARK_NATIVE", "off")
     assert native.load() == (None, "turned off by ADASPARK_NATIVE=off")
+
+
+def test_every_build_multiplies_bit_for_bit_alike(gguf):
+    """Integer sums are exact and each output's float steps are the same sequence in every
+    build (VNNI, AVX2): a row's matmul result does not depend on the instruction set."""
+    modules = [module_for(isa) for isa in BUILDS]
+    tensors = [gguf.tensors["blk.3.ffn_down.weight"], gguf.tensors["token_embd.weight"]]
+    for t in tensors:
+        x = torch.randn(21, t.shape[1])
+        results = [native.pack(m, [t]).matmul(x) for m in modules]
+        for got in results[1:]:
+            assert torch.equal(got, results[0])

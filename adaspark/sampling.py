@@ -130,7 +130,8 @@ class Sampler:
     takes, in order; record() keeps a logprobs entry for a token the reply took."""
 
     def __init__(self, params: SamplingParams, vocab: int):
-        self.params = params.check().with_seed()
+        params = params.check()
+        self.params = params.with_seed() if params.temperature > 0 else params
         self.vocab = vocab
         self.noise = NoiseCache(int(self.params.seed), vocab) \
             if self.params.temperature > 0 else None
@@ -140,8 +141,9 @@ class Sampler:
         self.logprobs: list[dict] = []
 
     @property
-    def seed(self) -> int:
-        return int(self.params.seed)
+    def seed(self) -> int | None:
+        """The noise seed (None at temperature 0, where nothing is random)."""
+        return None if self.noise is None else self.noise.seed
 
     def observe(self, token: int) -> None:
         """The reply took `token`: later rows count it for the penalties."""

@@ -112,11 +112,11 @@ class NoiseCache:
 
     def rows(self, positions: Sequence[int]) -> torch.Tensor:
         """[n, vocab] noise, row i for positions[i]."""
-        positions = [int(p) for p in positions]
-        low = min(positions)
-        for stale in [p for p in self._rows if p < low]:
+        return torch.stack([self.at(int(p)) for p in positions])
+
+    def forget_before(self, position: int) -> None:
+        for stale in [p for p in self._rows if p < position]:
             del self._rows[stale]
-        return torch.stack([self.at(p) for p in positions])
 
 
 def _penalty(count: int, frequency: float, presence: float) -> float:
@@ -177,19 +177,20 @@ class Sampler:
 
     def pick(self, x: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
         """The sampled token of each adjusted row; positions[i]: the absolute position of the
-        token row i samples (its own position + 1). Every step is per element or per row, so a
-        row's pick does not depend on which other rows share the call."""
+        token row i samples (its own position + 1). Rows are picked one at a time with the same
+        operations, so a row's pick never depends on which other rows share the call."""
         p = self.params
         if p.temperature == 0:
             return x.max(-1).indices.numpy().astype(np.int64)  # the masks never drop the argmax
-        y = torch.add(self.noise.rows(positions), x)
-        if p.top_k and p.top_k < x.shape[-1]:
-            kth = x.topk(p.top_k, -1).values[:, -1:]
-            y.masked_fill_(x < kth, -torch.inf)
-        if p.top_p < 1.0:
-            for i in range(x.shape[0]):
-                y[i].masked_fill_(x[i] < nucleus_floor(x[i], p.top_p, p.top_k), -torch.inf)
-        return y.max(-1).indices.numpy().astype(np.int64)
+        picks = np.empty(x.shape[0], dtype=np.int64)
+        for i, position in enumerate(positions):
+            y = torch.add(self.noise.at(int(position)), x[i])
+            floor = allowed_floor(x[i], p.top_k, p.top_p)
+            if floor is not None:
+                y.masked_fill_(x[i] < floor, -torch.inf)
+            picks[i] = int(y.max(-1).indices)
+        self.noise.forget_before(int(min(positions)))
+        return picks
 
     def sample(self, logits: torch.Tensor, positions: Sequence[int],
                paths: Sequence[Sequence[int]] | None = None) -> tuple[np.ndarray, torch.Tensor]:
@@ -210,19 +211,38 @@ class Sampler:
         self.logprobs.append(entry)
 
 
-def nucleus_floor(x: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
-    """The smallest adjusted logit inside row x's nucleus: the fewest likeliest tokens (of the
-    top_k, when set) whose probabilities sum to at least top_p. Ties with it stay in."""
-    k = x.shape[-1] if not top_k else min(top_k, x.shape[-1])
-    if top_k:
-        x = x.topk(k).values
-    norm = torch.logsumexp(x.double(), -1)
-    m = min(64, k)
-    while True:  # the nucleus is almost always inside the first 64
-        vals = x.topk(m).values
-        probs = torch.exp(vals.double() - norm)
-        before = torch.cumsum(probs, -1) - probs  # mass of the likelier tokens
-        inside = int((before < top_p).sum())
-        if inside < m or m == k:
-            return vals[max(inside, 1) - 1]
-        m = min(2 * m, k)
+def allowed_floor(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor | None:
+    """The smallest adjusted logit row x may still pick under top-k then top-p (None: all);
+    tokens tied with it stay in."""
+    k = min(top_k, x.shape[-1]) if top_k else 0
+    if not k and top_p >= 1.0:
+        return None
+    vals = x.topk(k).values if k else None  # sorted, likeliest first
+    if top_p >= 1.0:
+        return vals[-1]
+    return nucleus_floor(x, top_p, vals)
+
+
+def nucleus_floor(x: torch.Tensor, top_p: float, top: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
+    """The smallest adjusted logit inside row x's nucleus: the fewest likeliest tokens whose
+    probabilities sum to at least top_p. top: x's top-k values, likeliest first, when top-k
+    applies first (the nucleus is then taken in the renormalised top k)."""
+    if top is not None:
+        return _nucleus_in(top, torch.logsumexp(top.double(), -1), top_p)[0]
+    norm = torch.logsumexp(x, -1).double()
+    m = 64
+    while True:  # the nucleus is almost always inside the first 64 tokens
+        vals = x.topk(min(m, x.shape[-1])).values
+        floor, complete = _nucleus_in(vals, norm, top_p)
+        if complete or vals.numel() == x.shape[-1]:
+            return floor
+        m *= 2
+
+
+def _nucleus_in(vals: torch.Tensor, norm: torch.Tensor, top_p: float):
+    """(floor, whether the nucleus ends inside vals) for sorted values vals."""
+    probs = torch.exp(vals.double() - norm)
+    before = torch.cumsum(probs, -1) - probs  # mass of the likelier tokens
+    inside = int((before < top_p).sum())
+    return vals[max(inside, 1) - 1], inside < vals.numel()

@@ -12,10 +12,10 @@ Timed parts (time.perf_counter), as the scheduler and the round log define them:
   commit  the accept walk + the target and drafter cache commits
 A plain round (the scheduler's width 1, arm switch `plain`) skips the drafter: D is the plan alone.
 
-Sampling (sampling.py): each verified row's pick is its position-keyed Gumbel-max token instead of
-its argmax (timed with the verify: it scales with the rows), and the accept walk runs on those
-picks unchanged. The drafter may draft on the same noise (`shared_noise`), so that its picks
-predict the perturbed target argmax rather than the target's mode.
+Sampling (sampling.py): a verified row's pick is its position-keyed Gumbel-max token instead of
+its argmax, made only for the rows on the path the accept walk takes (timed with the verify), and
+the accept walk runs on those picks unchanged. The drafter may draft on the same noise
+(`shared_noise`), so that its picks predict the perturbed target argmax, not the target's mode.
 
 Cache invariant, checked after every round: drafter.length == target.cache.length ==
 len(cached_ids). A token that ends the reply (stop token, the token completing a stop string, the
@@ -49,7 +49,8 @@ class RoundTrace:
     """One round as the loop saw it (for the round hook: tests and debugging)."""
 
     plan: Plan
-    argmax: np.ndarray  # the target's pick per verified row (its argmax when greedy)
+    argmax: np.ndarray  # the target's pick per verified row (its argmax when greedy; when
+    # sampling, rows off the accepted path are not sampled: -1)
     outcome: Outcome
     committed_rows: list[int]  # the rows whose K/V went into the caches
     emitted: list[int] = field(default_factory=list)  # tokens the reply took, in order
@@ -93,11 +94,24 @@ def round_record(record: dict, plan: Plan, arm: str, request: str | None) -> dic
     return out
 
 
-def ancestor_paths(plan: Plan) -> list[np.ndarray]:
-    """Per row, the tokens of its ancestors below the anchor and itself (root first): what the
-    reply would hold, past the anchor, when that row's token is picked."""
-    below = plan.mask[:, 1:]
-    return [plan.tokens[1:][below[i]] for i in range(plan.rows)]
+def sample_path(sampler: Sampler, logits: Any, plan: Plan, start: int):
+    """Each row's pick along the path the accept walk takes, as plain decoding would make it:
+    a row at depth d samples position start + d + 1 with its ancestors' tokens (the path so
+    far) in the reply. The walk reads no other row, so those stay -1 and cost nothing.
+    Returns the picks [rows] and the adjusted logits of each sampled row (for logprobs)."""
+    child = {(int(parent), int(token)): row for row, (parent, token)
+             in enumerate(zip(plan.parents, plan.tokens, strict=True)) if row}
+    picks = np.full(plan.rows, -1, dtype=np.int64)
+    adjusted: dict[int, Any] = {}
+    path: list[int] = []
+    row: int | None = 0
+    while row is not None:
+        pick, x = sampler.sample(logits[row:row + 1], [start + int(plan.depths[row]) + 1],
+                                 [path] if sampler.params.penalised else None)
+        picks[row], adjusted[row] = int(pick[0]), x[0]
+        path = [*path, int(pick[0])]
+        row = child.get((row, int(pick[0])))
+    return picks, adjusted
 
 
 class Speculator:
@@ -202,9 +216,8 @@ class Speculator:
                             return_logits=sampler is not None)
         if sampler is None:
             argmax = out.argmax.cpu().numpy()  # the copy waits for an asynchronous device
-        else:  # row i samples position start + depth + 1, penalised by its own ancestors
-            paths = ancestor_paths(plan) if sampler.params.penalised else None
-            argmax, adjusted = sampler.sample(out.logits.cpu(), start + plan.depths + 1, paths)
+        else:
+            argmax, adjusted = sample_path(sampler, out.logits.cpu(), plan, start)
         t2 = time.perf_counter()
         outcome = sched.accept(plan, argmax)
         walk_s = time.perf_counter() - t2

@@ -14,6 +14,7 @@ from adaspark.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,
+    allowed_floor,
     gumbel_noise,
     nucleus_floor,
 )
@@ -38,8 +39,8 @@ def test_noise_is_keyed_by_seed_and_position_only():
     cache = NoiseCache(7, 1000)
     rows = cache.rows([100, 101, 100])
     assert rows[0].numpy().tobytes() == a.tobytes() and torch.equal(rows[0], rows[2])
-    cache.rows([101])
-    assert 100 not in cache._rows  # positions behind the request are dropped
+    cache.forget_before(101)
+    assert 100 not in cache._rows and 101 in cache._rows
 
 
 def test_noise_is_standard_gumbel():
@@ -119,8 +120,10 @@ def test_top_p_draws_from_the_nucleus_renormalised():
 def test_top_p_applies_within_top_k():
     x = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     # within the top 2 the renormalised masses are 4/7 and 3/7: 0.5 needs only the first
-    assert float(nucleus_floor(x, 0.5, top_k=2)) == float(x[0])
-    assert float(nucleus_floor(x, 0.5)) == float(x[1])
+    assert float(allowed_floor(x, top_k=2, top_p=0.5)) == float(x[0])
+    assert float(allowed_floor(x, top_p=0.5)) == float(x[1])
+    assert float(allowed_floor(x, top_k=3)) == float(x[2])
+    assert allowed_floor(x) is None
 
 
 def test_temperature_zero_is_the_argmax_and_penalties_shift_it():

@@ -14,6 +14,7 @@ runs its greedy path and never builds a Sampler.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -77,6 +78,13 @@ class SamplingParams:
     def with_seed(self) -> SamplingParams:
         """A seed drawn where none was given, so that any reply can be reproduced."""
         return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+
+
+def derived_seed(base: int, *parts: object) -> int:
+    """A seed for one request of a benchmark, from its base seed and where it sits (e.g. the
+    conversation and turn): every arm sends the same, so their replies can be compared."""
+    text = ":".join(str(x) for x in (base, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:

@@ -27,7 +27,6 @@ depth d (d = 1, 2, ...), from the rounds the engine reports.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -43,7 +42,7 @@ from adaspark.model.gguf import read_gguf
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
-from adaspark.sampling import SamplingParams
+from adaspark.sampling import SamplingParams, derived_seed
 from adaspark.scheduler.round import Arm
 from adaspark.speculative import load_speculator
 
@@ -79,9 +78,8 @@ def request_sampling(args, conv_key: str, turn: int) -> SamplingParams | None:
     """The same seed for a turn on every arm, another for every turn."""
     if args.temperature == 0:
         return None
-    digest = hashlib.sha256(f"{args.seed}:{conv_key}:{turn}".encode()).digest()
     return SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                          seed=int.from_bytes(digest[:8], "little") >> 1).check()
+                          seed=derived_seed(args.seed, conv_key, turn)).check()
 
 
 def run_conversation(engine: Engine, conv, max_tokens: int, args=None) -> list[dict]:

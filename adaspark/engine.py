@@ -1,4 +1,5 @@
-"""The decode loop: chat messages in, a greedy reply out, with stops, streaming and timing.
+"""The decode loop: chat messages in, a reply out (greedy or sampled), with stops, streaming and
+timing.
 
 One `Engine` owns a target `Transformer` (its KV cache holds the conversation so far) and the
 model's `Tokenizer`. A request renders the messages through the chat template, reuses the cached
@@ -6,7 +7,8 @@ prefix it shares with the previous request, prefills the rest, then decodes. Pla
 the 1-row case of the target's verify path (row at depth 0, then commit it); the speculative
 arms of the paper's Algorithm 1 plug in as other `_decode_*` loops over the same `Reply`, which
 applies every stop (stop token, stop string, max tokens) token by token, so a round that accepts
-several tokens at once stops at exactly the same place.
+several tokens at once stops at exactly the same place. Sampling (sampling.py) replaces each
+row's argmax by its position-keyed Gumbel-max pick; greedy requests never build a Sampler.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from adaspark.errors import UserError
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import StreamDecoder, Tokenizer
+from adaspark.sampling import Sampler, SamplingParams
 from adaspark.scheduler.round import Arm
 from adaspark.speculative import Speculator, load_speculator
 
@@ -80,6 +83,9 @@ class Generation:
     finish_reason: str
     stop_token_id: int | None
     timings: Timing = field(default_factory=Timing)
+    seed: int | None = None  # the sampling seed (drawn when none was given); None: greedy
+    # per reply token when asked: {"id", "logprob", "top": [(id, logprob), ...]}
+    logprobs: list[dict] | None = None
 
 
 class Reply:
@@ -217,23 +223,27 @@ class Engine:
                  tools: Sequence[Mapping[str, Any]] | None = None, max_tokens: int = 256,
                  stop: Sequence[str] = (), on_text: TextCallback | None = None,
                  should_stop: StopRequest | None = None,
-                 request_id: str | None = None) -> Generation:
-        """Greedy reply to chat messages (role/content dicts, rendered through the chat template
-        with `tools`) or to prompt token ids already rendered. `on_text` receives the reply text
-        as it is decoded; `should_stop` is polled between forwards to cancel."""
+                 request_id: str | None = None,
+                 sampling: SamplingParams | None = None) -> Generation:
+        """Reply to chat messages (role/content dicts, rendered through the chat template with
+        `tools`) or to prompt token ids already rendered. `on_text` receives the reply text as
+        it is decoded; `should_stop` is polled between forwards to cancel; sampling: None or
+        temperature 0 is greedy."""
         if prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
             ids = self.tokenizer.encode_chat(prompt, tools=tools)
         return self.generate_ids(ids, max_tokens=max_tokens, stop=stop, on_text=on_text,
-                                 should_stop=should_stop, request_id=request_id)
+                                 should_stop=should_stop, request_id=request_id,
+                                 sampling=sampling)
 
     def generate_ids(self, prompt: Sequence[int], *, max_tokens: int = 256,
                      stop: Sequence[str] = (), on_text: TextCallback | None = None,
                      should_stop: StopRequest | None = None,
-                     request_id: str | None = None) -> Generation:
-        """Greedy continuation of prompt token ids (the chat template already applied).
-        request_id names the request in the round log."""
+                     request_id: str | None = None,
+                     sampling: SamplingParams | None = None) -> Generation:
+        """Continuation of prompt token ids (the chat template already applied), greedy unless
+        `sampling` says otherwise. request_id names the request in the round log."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise UserError("empty prompt")
@@ -242,18 +252,26 @@ class Engine:
         if len(prompt) > self.context_length:
             raise UserError(f"prompt is {len(prompt)} tokens, longer than the model's context "
                             f"of {self.context_length}")
+        sampler = None
+        if sampling is not None and not sampling.check().greedy:
+            sampler = Sampler(sampling, self.target.config.vocab_size)
         reply = Reply(self.tokenizer, max_tokens, stop, on_text)
         timing = Timing(prompt_tokens=len(prompt))
-        first = self._prefill(prompt, timing)
+        first = self._prefill(prompt, timing, sampler)
         if self.speculator is None:
-            self._decode_plain(first, reply, timing, should_stop)
+            self._decode_plain(first, reply, timing, should_stop, sampler)
         else:
-            self._decode_speculative(first, reply, timing, should_stop, request_id)
+            self._decode_speculative(first, reply, timing, should_stop, request_id, sampler)
+        logprobs = None
+        if sampler is not None and sampler.params.logprobs:  # a stop token gets no entry
+            logprobs = sampler.logprobs[:len(reply.token_ids)]
         return Generation(text=reply.text, token_ids=reply.token_ids, prompt_token_ids=prompt,
                           finish_reason=reply.finish_reason or "length",
-                          stop_token_id=reply.stop_token_id, timings=timing)
+                          stop_token_id=reply.stop_token_id, timings=timing,
+                          seed=sampler.seed if sampler is not None else None,
+                          logprobs=logprobs)
 
-    def _prefill(self, prompt: list[int], timing: Timing) -> int:
+    def _prefill(self, prompt: list[int], timing: Timing, sampler: Sampler | None = None) -> int:
         """Bring the cache to `prompt`, reusing the shared prefix; returns the first reply token."""
         if self.target.cache.length != len(self._cached_ids):
             self._cached_ids = []  # someone else moved the target's cache: trust none of it
@@ -263,45 +281,61 @@ class Engine:
         try:
             self.target.truncate(keep)
             self._cached_ids = self._cached_ids[:keep]
+            logits = sampler is not None
             if self.speculator is None:
-                out = self.target.prefill(prompt[keep:])
+                out = self.target.prefill(prompt[keep:], return_logits=logits)
             else:  # the drafter's cache follows the target's: the same kept prefix, then taps
-                out = self.target.prefill(prompt[keep:], tap_layers=self.speculator.tap_layers)
+                out = self.target.prefill(prompt[keep:], tap_layers=self.speculator.tap_layers,
+                                          return_logits=logits)
                 self.speculator.after_prefill(keep, out.hiddens)
         except BaseException:
             self.reset()  # the cache may hold part of the prompt: start the next request clean
             raise
-        first = int(out.argmax[-1])
+        if sampler is None:
+            first = int(out.argmax[-1])
+        else:  # the first reply token sits at position len(prompt)
+            picks, x = sampler.sample(out.logits[-1:], [len(prompt)])
+            first = int(picks[0])
+            sampler.record(x[0], first)
         timing.prefill_s = time.perf_counter() - start
         timing.reused_tokens = keep
         self._cached_ids = list(prompt)
         return first
 
     def _decode_plain(self, token: int, reply: Reply, timing: Timing,
-                      should_stop: StopRequest | None) -> None:
+                      should_stop: StopRequest | None, sampler: Sampler | None = None) -> None:
         """One token per target forward: verify a single row at depth 0, commit it."""
         start = time.perf_counter()
         while not reply.push(token):
+            if sampler is not None:
+                sampler.observe(token)
             if len(self._cached_ids) >= self.context_length:
                 reply.end("length")
                 break
             if should_stop is not None and should_stop():
                 reply.end("cancelled")
                 break
-            out = self.target.verify([token], [0], _ONE_ROW_MASK)
+            out = self.target.verify([token], [0], _ONE_ROW_MASK,
+                                     return_logits=sampler is not None)
             self.target.commit([0])
             self._cached_ids.append(token)
-            token = int(out.argmax[0])
+            if sampler is None:
+                token = int(out.argmax[0])
+            else:  # the row sits at len(cached_ids) - 1; its pick one position later
+                picks, x = sampler.sample(out.logits, [len(self._cached_ids)])
+                token = int(picks[0])
+                sampler.record(x[0], token)
             timing.decode_tokens += 1
             timing.plain_rounds += 1
             timing.verified_rows += 1
         timing.decode_s = time.perf_counter() - start
 
     def _decode_speculative(self, token: int, reply: Reply, timing: Timing,
-                            should_stop: StopRequest | None, request_id: str | None) -> None:
+                            should_stop: StopRequest | None, request_id: str | None,
+                            sampler: Sampler | None = None) -> None:
         """Algorithm 1's rounds (speculative.py); the same Reply applies every stop."""
         counts = self.speculator.decode(token, reply, self._cached_ids, self.context_length,
-                                        should_stop, request_id)
+                                        should_stop, request_id, sampler)
         timing.decode_s = counts.decode_s  # the store is saved after the reply, untimed
         # tokens produced after the first, as plain decoding counts them (a stop token included)
         produced = len(reply.token_ids) + (reply.stop_token_id is not None)

@@ -12,6 +12,11 @@ Timed parts (time.perf_counter), as the scheduler and the round log define them:
   commit  the accept walk + the target and drafter cache commits
 A plain round (the scheduler's width 1, arm switch `plain`) skips the drafter: D is the plan alone.
 
+Sampling (sampling.py): a verified row's pick is its position-keyed Gumbel-max token instead of
+its argmax, made only for the rows on the path the accept walk takes (timed with the verify), and
+the accept walk runs on those picks unchanged. The drafter may draft on the same noise
+(`shared_noise`), so that its picks predict the perturbed target argmax, not the target's mode.
+
 Cache invariant, checked after every round: drafter.length == target.cache.length ==
 len(cached_ids). A token that ends the reply (stop token, the token completing a stop string, the
 max-tokens-th token) is never committed, exactly as in plain decoding, so the next turn's prefix
@@ -31,6 +36,7 @@ from typing import IO, Any
 import numpy as np
 
 from adaspark.errors import UserError
+from adaspark.sampling import Sampler
 from adaspark.scheduler.round import Arm, Outcome, Plan, Scheduler
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import NGRAM, Block
@@ -43,7 +49,8 @@ class RoundTrace:
     """One round as the loop saw it (for the round hook: tests and debugging)."""
 
     plan: Plan
-    argmax: np.ndarray  # the target's argmax per verified row
+    argmax: np.ndarray  # the target's pick per verified row (its argmax when greedy; when
+    # sampling, rows off the accepted path are not sampled: -1)
     outcome: Outcome
     committed_rows: list[int]  # the rows whose K/V went into the caches
     emitted: list[int] = field(default_factory=list)  # tokens the reply took, in order
@@ -87,6 +94,26 @@ def round_record(record: dict, plan: Plan, arm: str, request: str | None) -> dic
     return out
 
 
+def sample_path(sampler: Sampler, logits: Any, plan: Plan, start: int):
+    """Each row's pick along the path the accept walk takes, as plain decoding would make it:
+    a row at depth d samples position start + d + 1 with its ancestors' tokens (the path so
+    far) in the reply. The walk reads no other row, so those stay -1 and cost nothing.
+    Returns the picks [rows] and the adjusted logits of each sampled row (for logprobs)."""
+    child = {(int(parent), int(token)): row for row, (parent, token)
+             in enumerate(zip(plan.parents, plan.tokens, strict=True)) if row}
+    picks = np.full(plan.rows, -1, dtype=np.int64)
+    adjusted: dict[int, Any] = {}
+    path: list[int] = []
+    row: int | None = 0
+    while row is not None:
+        pick, x = sampler.sample(logits[row:row + 1], [start + int(plan.depths[row]) + 1],
+                                 [path] if sampler.params.penalised else None)
+        picks[row], adjusted[row] = int(pick[0]), x[0]
+        path = [*path, int(pick[0])]
+        row = child.get((row, int(pick[0])))
+    return picks, adjusted
+
+
 class Speculator:
     """The drafter, scheduler, learned store and round log an engine decodes speculatively with.
 
@@ -107,6 +134,8 @@ class Speculator:
         self.round_hook: RoundHook | None = None
         # called after every round with its round-log record and plan (the server's metrics)
         self.observers: list[Callable[[dict, Plan], None]] = []
+        self.shared_noise = True  # when sampling, the drafter drafts on the target's noise
+        self._sampler: Sampler | None = None  # the request's, while decode() runs
 
     @property
     def arm(self) -> str:
@@ -134,16 +163,20 @@ class Speculator:
     # ----- one reply -----------------------------------------------------------------------
     def decode(self, anchor: int, reply: Any, cached_ids: list[int], capacity: int,
                should_stop: Callable[[], bool] | None = None,
-               request_id: str | None = None) -> RoundCounts:
-        """Decode after the prefill until the reply finishes. anchor: the prefill's argmax;
+               request_id: str | None = None, sampler: Sampler | None = None) -> RoundCounts:
+        """Decode after the prefill until the reply finishes. anchor: the prefill's pick;
         reply: the engine's Reply (stops); cached_ids: the engine's list of the tokens in the
-        target cache, extended in place with every committed token."""
+        target cache, extended in place with every committed token; sampler: None is greedy."""
         counts = RoundCounts()
         sched = self.scheduler
         start = time.perf_counter()
-        sched.begin_request([*cached_ids, anchor])
+        temperature = sampler.params.temperature if sampler is not None else 0.0
+        sched.begin_request([*cached_ids, anchor], temperature=temperature)
+        self._sampler = sampler
         try:
             done = reply.push(anchor)
+            if sampler is not None:
+                sampler.observe(anchor)
             while not done:
                 length = self.target.cache.length
                 if length >= capacity:
@@ -162,16 +195,18 @@ class Speculator:
             cached_ids.clear()
             raise
         finally:
+            self._sampler = None
             self._end_request()
         return counts
 
     def _round(self, anchor: int, reply: Any, cached_ids: list[int], room: int,
                counts: RoundCounts, request_id: str | None) -> tuple[int, bool]:
-        sched, target = self.scheduler, self.target
-        ctx = target.cache.length + 1  # committed tokens, the anchor included
+        sched, target, sampler = self.scheduler, self.target, self._sampler
+        start = target.cache.length  # the anchor's position
+        ctx = start + 1  # committed tokens, the anchor included
         t0 = time.perf_counter()
         if sched.should_draft(ctx, self.stop_ids):
-            drafted = self.drafter.draft(anchor)
+            drafted = self.drafter.draft(anchor, noise=self._draft_noise(start))
             block = Block(drafted.picks, drafted.topk_ids, drafted.topk_logits, drafted.head)
             plan = sched.plan(block, ctx, self.stop_ids)
         else:
@@ -179,8 +214,12 @@ class Speculator:
         if plan.rows > room:  # the context cannot hold this tree: one row still fits
             plan = sched.plain(ctx)
         t1 = time.perf_counter()
-        out = target.verify(plan.tokens, plan.depths, plan.mask, tap_layers=self.tap_layers)
-        argmax = out.argmax.cpu().numpy()  # the copy waits for an asynchronous device
+        out = target.verify(plan.tokens, plan.depths, plan.mask, tap_layers=self.tap_layers,
+                            return_logits=sampler is not None)
+        if sampler is None:
+            argmax = out.argmax.cpu().numpy()  # the copy waits for an asynchronous device
+        else:
+            argmax, adjusted = sample_path(sampler, out.logits.cpu(), plan, start)
         t2 = time.perf_counter()
         outcome = sched.accept(plan, argmax)
         walk_s = time.perf_counter() - t2
@@ -192,9 +231,13 @@ class Speculator:
         done = False
         for i, token in enumerate([*outcome.tokens, outcome.bonus]):
             emitted.append(token)
+            if sampler is not None:  # token i was picked on row outcome.rows[i]
+                sampler.record(adjusted[outcome.rows[i]], token)
             if reply.push(token):
                 keep, done = i + 1, True
                 break
+            if sampler is not None:
+                sampler.observe(token)
         rows = outcome.rows[:keep]
 
         t3 = time.perf_counter()
@@ -220,6 +263,16 @@ class Speculator:
         if self.round_hook is not None:
             self.round_hook(RoundTrace(plan, argmax, outcome, list(rows), emitted))
         return outcome.bonus, done
+
+    def _draft_noise(self, start: int):
+        """The target's noise at the block's positions over the draft vocabulary, times T (the
+        drafter's argmax of l + T g is the Gumbel-max pick of softmax(l / T)); None: greedy."""
+        sampler = self._sampler
+        if sampler is None or sampler.noise is None or not self.shared_noise:
+            return None
+        block = self.drafter.block_size
+        g = sampler.noise.rows(range(start + 1, start + block + 1))
+        return g[:, self.drafter.model.draft_ids] * sampler.params.temperature
 
     # ----- persistence ---------------------------------------------------------------------
     def _write(self, record: dict) -> None:

@@ -15,6 +15,13 @@ the ratio to `ar` (or to the first arm) and the round statistics.
     .venv/bin/python benchmarks/arms.py --arms ar,adaspark --max-tokens 32 --runs 2 \\
         --drafter DIR --json out.json
     .venv/bin/python benchmarks/arms.py --arms ar,chain3@OLD_DIR,chain3@NEW_DIR  # drafter A/B
+    .venv/bin/python benchmarks/arms.py --arms ar,adaspark+gate,adaspark+gate+own-noise \
+        --temperature 0.7 --seed 1   # sampling; own-noise: the drafter drafts without the noise
+
+With --temperature every reply samples with a seed derived from --seed and its conversation
+turn, the same for every arm (so in reference precision every arm emits the same tokens).
+Acceptance by position: of the rounds that drafted, the share whose accepted path reached
+depth d (d = 1, 2, ...), from the rounds the engine reports.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from adaspark.model.gguf import read_gguf
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
+from adaspark.sampling import SamplingParams, derived_seed
 from adaspark.scheduler.round import Arm
 from adaspark.speculative import load_speculator
 
@@ -57,17 +65,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stores", metavar="DIR",
                    help="where each arm saves its learned store (default: a new temp dir)")
     p.add_argument("--json", metavar="FILE", help="also write every reply's numbers here")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="base seed when sampling")
     return p.parse_args(argv)
 
 
-def run_conversation(engine: Engine, conv, max_tokens: int) -> list[dict]:
+OWN_NOISE = "own-noise"  # arm suffix: when sampling, the drafter drafts on its own logits
+
+
+def request_sampling(args, conv_key: str, turn: int) -> SamplingParams | None:
+    """The same seed for a turn on every arm, another for every turn."""
+    if args.temperature == 0:
+        return None
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                          seed=derived_seed(args.seed, conv_key, turn)).check()
+
+
+def run_conversation(engine: Engine, conv, max_tokens: int, args=None) -> list[dict]:
     engine.reset()
     messages = [{"role": "system", "content": conv.system}] if conv.system else []
     replies = []
     for turn, text in enumerate(conv.turns):
         messages.append({"role": "user", "content": text})
+        sampling = request_sampling(args, conv.key, turn) if args is not None else None
         gen = engine.generate(messages, tools=conv.openai_tools(), max_tokens=max_tokens,
-                              request_id=f"{conv.key}#{turn}")
+                              request_id=f"{conv.key}#{turn}", sampling=sampling)
         messages.append({"role": "assistant", "content": gen.text})
         replies.append({"conversation": conv.key, "turn": turn, "tokens": gen.token_ids,
                         "finish": gen.finish_reason, **gen.timings.as_dict()})
@@ -92,7 +115,7 @@ def parse_arms(spec: str, default_drafter: str | None) -> dict[str, tuple[str, s
     for item in filter(None, (a.strip() for a in spec.split(","))):
         name, _, drafter = item.partition("@")
         arm = name.replace("+", ",")
-        Arm.parse(arm)
+        Arm.parse(arm.replace(f",{OWN_NOISE}", ""))
         label = f"{arm}@{Path(drafter).name}" if drafter else arm
         if label in out:
             raise SystemExit(f"arm {label!r} is named twice")
@@ -113,18 +136,25 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_gguf(gguf)
     stores = Path(args.stores or tempfile.mkdtemp(prefix="adaspark-arms-"))
     engines = {label: Engine(target, tok, path,
-                             load_speculator(target, path, tok.stop_ids, arm=arm, drafter=drafter,
-                                             store=stores / label, fresh=True))
+                             load_speculator(target, path, tok.stop_ids,
+                                             arm=arm.replace(f",{OWN_NOISE}", ""),
+                                             drafter=drafter, store=stores / label, fresh=True))
                for label, (arm, drafter) in specs.items()}
+    depths: dict[str, list[int]] = {label: [] for label in engines}  # accepted, drafted rounds
+    for label, engine in engines.items():
+        if engine.speculator is not None:
+            engine.speculator.shared_noise = OWN_NOISE not in specs[label][0]
+            engine.speculator.round_hook = lambda tr, d=depths[label]: (
+                d.append(len(tr.outcome.tokens)) if tr.plan.drafted else None)
     print(f"{len(subset)} conversations x {max(len(c.turns) for c in subset)} turns, cap "
           f"{args.max_tokens}, {args.runs} interleaved runs, torch threads "
-          f"{torch.get_num_threads()}", file=sys.stderr)
+          f"{torch.get_num_threads()}, temperature {args.temperature}", file=sys.stderr)
     results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     for run in range(args.runs):
         for arm, engine in engines.items():
             start = time.perf_counter()
-            replies = [r for conv in subset for r in run_conversation(engine, conv,
-                                                                      args.max_tokens)]
+            replies = [r for conv in subset
+                       for r in run_conversation(engine, conv, args.max_tokens, args)]
             results[arm].append(replies)
             s = summary(replies)
             print(f"run {run + 1} {arm:>12}: {s['tok_s']:6.1f} tok/s over {s['tokens']} tokens "
@@ -147,9 +177,17 @@ def main(argv=None) -> int:
         print(f"| {arm} | {mean[arm]:.1f} ({runs}) | {mean[arm] / mean[base]:.2f} | "
               f"{s['tokens_per_round']:.2f} | {s['rows_per_round']:.1f} | {s['plain']} | "
               f"{same}/{total} |")
+    print("\nAcceptance by position (drafted rounds whose accepted path reached depth d):\n")
+    print("| arm | drafted rounds | " + " | ".join(f"d={d}" for d in range(1, 7)) + " |")
+    print("|---|---|" + "---|" * 6)
+    for arm, accepted in depths.items():
+        if accepted:
+            shares = [sum(a >= d for a in accepted) / len(accepted) for d in range(1, 7)]
+            print(f"| {arm} | {len(accepted)} | " + " | ".join(f"{x:.3f}" for x in shares) + " |")
     print(f"\nllama.cpp on the paper's machine: {LLAMA_CPP_TOK_S} tok/s (not this machine)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}) + "\n")
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
+                                               "accepted_by_drafted_round": depths}) + "\n")
     return 0
 
 

@@ -7,7 +7,10 @@ import pytest
 from adaspark.errors import UserError
 from adaspark.scheduler.acceptance import (
     N_COEF,
+    N_COEF_V1,
+    TEMP0,
     AcceptanceModel,
+    design,
     label_nodes,
     multinomial_log_loss,
     parent_softmax,
@@ -190,8 +193,46 @@ def test_state_round_trips_bit_for_bit():
     with pytest.raises(UserError):
         other.load_state_dict({"version": 1, "ftrl": state["ftrl"]})
     with pytest.raises(UserError):
-        other.load_state_dict({**state, "version": 2})
+        other.load_state_dict({**state, "version": 99})
     assert math.isfinite(other.guard_fitted)
+
+
+def test_version_1_state_loads_with_the_temperature_terms_at_their_prior():
+    """A store written before the temperature terms keeps its coefficients; the new ones start
+    at 0 and greedy scores (T = 0) are the old model's to the bit."""
+    rng = np.random.default_rng(81)
+    model = AcceptanceModel()
+    run_rounds(model, rng, 40, prior_truth)
+    state = json.loads(json.dumps(model.state_dict()))
+    old = {k: v[:N_COEF_V1] for k, v in state["ftrl"].items()}
+    other = AcceptanceModel()
+    other.load_state_dict({**state, "version": 1, "ftrl": old})
+    assert other.coefficients[:N_COEF_V1].tobytes() == model.coefficients[:N_COEF_V1].tobytes()
+    assert not other.coefficients[TEMP0:].any()
+    tree = mixed_tree(rng)
+    model.begin_request()
+    other.begin_request()
+    assert other.score(tree, 77).q_fit.tobytes() == model.score(tree, 77).q_fit.tobytes()
+
+
+def test_temperature_terms_learn_only_under_sampling():
+    """At T = 0 the temperature columns are zero, so greedy rounds leave them at the prior; at
+    T > 0 picks right less often than the prior says pull temp_pick below zero."""
+    rng = np.random.default_rng(82)
+    greedy = AcceptanceModel(gate=0.0)  # ungated: every coefficient with a gradient moves
+    run_rounds(greedy, rng, 60, prior_truth)
+    assert not np.array_equal(greedy.coefficients[:TEMP0], prior_coefficients()[:TEMP0])
+    assert not greedy.coefficients[TEMP0:].any()
+    sampled = AcceptanceModel(gate=0.0)
+    for _ in range(100):
+        tree = mixed_tree(rng)
+        scored = sampled.score(tree, 100, temperature=1.0)
+        parents = np.array([-1])
+        wrong = np.array([-7])  # the target picked none of the anchor's children
+        sampled.learn(scored, parents, wrong, placed_nodes=np.arange(tree.n_nodes))
+    assert sampled.coefficients[TEMP0] < 0
+    X, _ = design(mixed_tree(rng), 100, temperature=0.7)
+    assert set(np.unique(X[:, TEMP0:])) <= {0.0, 0.7}
 
 
 def test_scores_follow_equation_6_term_by_term():

@@ -156,3 +156,33 @@ def test_report_names_every_arm(bench_dir):
     # ... and kept, every timed reply enters the ratio
     text = write_report(bench_dir["out"], n_boot=200, include_capped=True).read_text()
     assert re.search(r"\| ar#2 \| \d\.\d{3}× \[", text)  # the by-band row, now with a ratio
+
+
+def test_sampled_bench_sends_each_turn_its_own_seed_on_every_arm(conversations, tmp_path):
+    """--temperature: both runs of `ar` get the same derived seed per request, so their
+    sampled replies match; the report says so; a resume at another temperature is refused."""
+    out = tmp_path / "sampled"
+    command = [*_bench(conversations, out), "--temperature", "0.9", "--seed", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    replies = replies_by_arm(_records(out))
+    same = identical_replies(replies["ar"], replies["ar#2"])
+    assert same.total == len(replies["ar"]) and same.same == same.total
+    assert json.loads((out / "run.json").read_text())["settings"]["temperature"] == 0.9
+    text = write_report(out, n_boot=200).read_text()
+    assert "## Sampling (temperature 0.9)" in text and "| ar#2 |" in text
+    other = subprocess.run([*_bench(conversations, out), "--temperature", "0.5"],
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "temperature" in other.stderr
+
+
+def test_request_seeds_differ_by_turn_and_reply_only():
+    from adaspark.bench.conversations import Conversation
+    from adaspark.bench.runner import request_sampling
+
+    conv = Conversation(source="spec_bench", id="81", category="c", turns=("a", "b"))
+    seeds = {(t, i): request_sampling(0.7, 4, conv, t, i)["seed"] for t in (0, 1) for i in (0, 1)}
+    assert len(set(seeds.values())) == 4
+    assert request_sampling(0.7, 4, conv, 0, 0)["seed"] == seeds[(0, 0)]
+    assert request_sampling(0.7, 5, conv, 0, 0)["seed"] != seeds[(0, 0)]
+    assert request_sampling(0.0, 4, conv, 0, 0) is None

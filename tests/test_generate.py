@@ -153,6 +153,29 @@ def test_generate_json(capsys):
     assert 1 <= len(out["token_ids"]) <= 5 and out["prompt_token_ids"][0] == 1
 
 
+def test_generate_sampled_json_reproduces_with_its_seed(capsys):
+    argv = ["generate", "--prompt", "Name a colour.", "--max-tokens", "6", "--json", "--arm",
+            "ar", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "40"]
+    assert cli.main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert isinstance(first["seed"], int)
+    assert cli.main([*argv, "--seed", str(first["seed"])]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["token_ids"] == first["token_ids"] and again["seed"] == first["seed"]
+    assert cli.main(["generate", "--prompt", "Hi", "--max-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seed"] is None  # greedy
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "2.5"), ("--top-p", "0"),
+                                        ("--top-k", "-3"), ("--presence-penalty", "3")])
+def test_generate_refuses_bad_sampling_options_before_loading(flag, value):
+    done = subprocess.run([sys.executable, "-m", "adaspark.cli", "generate", "--prompt", "hi",
+                           flag, value, "--model", "/nonexistent/model.gguf"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert flag[2:].replace("-", "_") in done.stderr  # named, before the missing model
+
+
 def test_chat_repl_multi_turn_and_reset(monkeypatch, capsys):
     import io
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi!\nWhat did I just say?\n/reset\nBye.\n"))

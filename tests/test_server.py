@@ -223,9 +223,13 @@ def test_tools_render_and_return(client):
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', "max_tokens"),
     ('{"messages": [{"role": "user", "content": "hi"}], "stop": 3}', "stop"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}', "temperature"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}', "top_p"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
+    *[(f'{{"messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}', field)
+      for field, value in [("temperature", -0.1), ("temperature", 2.5), ("top_p", 0),
+                           ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5), ("top_logprobs", 21),
+                           ("top_logprobs", -1), ("frequency_penalty", 2.5),
+                           ("presence_penalty", -3), ("seed", 1.5), ("seed", '"3"'),
+                           ("seed", "true"), ("n", 0), ("n", 17), ("top_logprobs", 2),
+                           ("logprobs", '"yes"')]],
     ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}',
      "tool_choice"),
 ])
@@ -236,6 +240,70 @@ def test_bad_requests_get_400_with_an_error_object(client, served, body, param):
     error = _error(response)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
+
+
+def _chat(served, **body) -> dict:
+    response = httpx.post(served["base"] + "/v1/chat/completions", timeout=300,
+                          json={"model": "m", "messages": HELLO, "max_tokens": 8, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_sampled_reply_reports_its_seed_and_reproduces(client, served):
+    _settle(client, HELLO)  # every request below then prefills the same last token
+    drawn = _chat(served, temperature=1.0, top_p=0.95, top_k=50)
+    seed = drawn["adaspark"]["seed"]
+    assert isinstance(seed, int)
+    again = _chat(served, temperature=1.0, top_p=0.95, top_k=50, seed=seed)
+    assert again["choices"][0]["message"] == drawn["choices"][0]["message"]
+    assert again["adaspark"] == {"seed": seed}
+    assert "adaspark" not in _chat(served)  # greedy: nothing to reproduce
+    assert _chat(served, temperature=0)["choices"] == _chat(served)["choices"]
+
+
+def test_n_choices_are_seeded_samples_one_after_another(client, served):
+    _settle(client, HELLO)
+    many = _chat(served, temperature=1.2, seed=40, n=3, max_tokens=6)
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    for i, choice in enumerate(many["choices"]):
+        alone = _chat(served, temperature=1.2, seed=40 + i, max_tokens=6)
+        assert alone["choices"][0]["message"] == choice["message"]
+    assert many["usage"]["completion_tokens"] == sum(
+        len(client.chat.completions.create(model="m", messages=HELLO, max_tokens=6,
+                                           temperature=1.2, seed=40 + i, logprobs=True)
+            .choices[0].logprobs.content) for i in range(3))
+
+
+def test_logprobs_and_top_logprobs(client, served):
+    _settle(client, HELLO)
+    reply = client.chat.completions.create(model="m", messages=HELLO, max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    text = b"".join(bytes(item.bytes) for item in content).decode()
+    assert text == reply.choices[0].message.content
+    for item in content:
+        tops = [t.logprob for t in item.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert item.top_logprobs[0].token == item.token  # temperature 0: the argmax
+        assert item.logprob == tops[0]
+    stream = client.chat.completions.create(model="m", messages=HELLO, max_tokens=6,
+                                            temperature=0.8, seed=5, logprobs=True,
+                                            stream=True)
+    chunks = [c for c in stream if c.choices]
+    whole = client.chat.completions.create(model="m", messages=HELLO, max_tokens=6,
+                                           temperature=0.8, seed=5, logprobs=True)
+    streamed = [i for c in chunks if c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == \
+        [(i.token, i.logprob) for i in whole.choices[0].logprobs.content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content
+    assert whole.choices[0].logprobs.content[0].top_logprobs == []
+
+
+def test_penalties_are_accepted(client, served):
+    body = _chat(served, frequency_penalty=1.5, presence_penalty=-0.5, max_tokens=4)
+    assert body["choices"][0]["message"]["content"]
 
 
 def test_prompt_over_the_context(client, served):

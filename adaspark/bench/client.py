@@ -136,8 +136,10 @@ class ChatClient:
         return self._model
 
     def stream_chat(
-        self, messages: list[dict], max_tokens: int, tools: list[dict] | None = None
+        self, messages: list[dict], max_tokens: int, tools: list[dict] | None = None,
+        sampling: dict | None = None,
     ) -> StreamedReply:
+        """sampling: request fields such as temperature and seed (default: greedy)."""
         body: dict = {
             "model": self.model(),
             "messages": messages,
@@ -145,6 +147,7 @@ class ChatClient:
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(sampling or {}),
         }
         if tools:
             body["tools"] = tools

@@ -108,6 +108,10 @@ class Report:
                      f"(sha256 {s.get('conversations_sha256', '?')}), subset: "
                      f"{s.get('subset') or 'all'}, cap: {s.get('cap', '?')} tokens")
         lines.append(f"- arms, in run order: {', '.join(s.get('arms', self.labels))}")
+        if s.get("temperature", 0) > 0:
+            lines.append(f"- **sampled** at temperature {s['temperature']} (base seed "
+                         f"{s.get('seed', 0)}): each request's seed comes from the base seed and "
+                         "its conversation turn, the same for every arm")
         for url_name, url in s.get("external", {}).items():
             lines.append(f"- external arm `{url_name}`: {url}")
         for inv in self.run.get("invocations", []):
@@ -312,6 +316,23 @@ class Report:
         return (["## Server timings (summed over replies; means and rates averaged)", ""]
                 + _table(["arm", *keys], rows))
 
+    def sampling(self) -> list[str]:
+        """At temperature > 0: how many replies each arm ran to the cap (greedy loops are why
+        one samples), and how many match the first arm's (position-keyed noise: the same seed
+        gives the same reply on every arm, up to the fast kernels' near-ties)."""
+        temperature = self.run.get("settings", {}).get("temperature", 0)
+        if not temperature or temperature <= 0:
+            return []
+        first = self.labels[0]
+        rows = []
+        for label in self.labels:
+            records = self._records_of(label)
+            capped = sum(bool(r.get("reached_cap")) for r in records)
+            same = identical_replies(self.raw[first], self.raw[label])
+            rows.append([label, str(len(records)), str(capped), f"{same.same}/{same.total}"])
+        return ([f"## Sampling (temperature {temperature})", ""]
+                + _table(["arm", "replies", "reached the cap", f"identical to {first}"], rows))
+
     def _records_of(self, label: str) -> list[dict]:
         return [r for r in self.records if r.get("kind") == "reply" and r.get("arm") == label]
 
@@ -343,7 +364,8 @@ class Report:
         return lines + [""]
 
     def markdown(self) -> str:
-        sections = [self.header(), self.headline(), self.end_to_end(), self.width_table(),
+        sections = [self.header(), self.sampling(), self.headline(), self.end_to_end(),
+                    self.width_table(),
                     self.by_source(), self.by_band(), self.mechanism(), self.server_timings(),
                     self.identical(), self.figures()]
         return "\n".join(line for section in sections for line in section)

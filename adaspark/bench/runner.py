@@ -34,6 +34,7 @@ from adaspark.bench.client import ChatClient, ServerReplyError, StreamedReply
 from adaspark.bench.conversations import Conversation, neutral_tool_result
 from adaspark.bench.servers import ArmRun, LocalServer
 from adaspark.errors import UserError
+from adaspark.sampling import derived_seed
 
 RESULTS = "results.jsonl"
 RUN_FILE = "run.json"
@@ -111,13 +112,23 @@ def reply_record(
     }
 
 
-def converse(client: ChatClient, run: ArmRun, conv: Conversation, cap: int):
+def request_sampling(temperature: float, seed: int, conv: Conversation, turn: int,
+                     index: int) -> dict | None:
+    """Sampling fields for one request: a seed of its own, the same for every arm."""
+    if temperature <= 0:
+        return None
+    return {"temperature": temperature, "seed": derived_seed(seed, conv.key, turn, index)}
+
+
+def converse(client: ChatClient, run: ArmRun, conv: Conversation, cap: int,
+             temperature: float = 0.0, seed: int = 0):
     """Yield one record per timed reply of one conversation, carrying the arm's own history."""
     messages: list[dict] = [{"role": "system", "content": conv.system}] if conv.system else []
     tools = conv.openai_tools()
     for turn, user in enumerate(conv.turns):
         messages.append({"role": "user", "content": user})
-        reply = client.stream_chat(messages, max_tokens=cap, tools=tools)
+        reply = client.stream_chat(messages, max_tokens=cap, tools=tools,
+                                   sampling=request_sampling(temperature, seed, conv, turn, 0))
         record = reply_record(run, conv, turn, 0, reply, cap)
         tool_turn = _tool_messages(conv, turn, reply)
         if tool_turn is None:
@@ -127,7 +138,8 @@ def converse(client: ChatClient, run: ArmRun, conv: Conversation, cap: int):
         record["turn_done"] = False
         yield record
         messages += tool_turn
-        answer = client.stream_chat(messages, max_tokens=cap, tools=tools)
+        answer = client.stream_chat(messages, max_tokens=cap, tools=tools,
+                                    sampling=request_sampling(temperature, seed, conv, turn, 1))
         messages.append({"role": "assistant", "content": answer.text})
         yield {**reply_record(run, conv, turn, 1, answer, cap), "after_tool": True}
 
@@ -214,8 +226,9 @@ def record_invocation(out_dir: Path, settings: dict, argv: list[str] | None) -> 
     path = out_dir / RUN_FILE
     run = json.loads(path.read_text()) if path.exists() else {"settings": settings}
     old = run["settings"]
-    for key in ("conversations_sha256", "cap", "subset"):
-        if old.get(key) != settings.get(key):
+    defaults = {"temperature": 0.0, "seed": 0}  # runs recorded before sampling were greedy
+    for key in ("conversations_sha256", "cap", "subset", "temperature", "seed"):
+        if old.get(key, defaults.get(key)) != settings.get(key, defaults.get(key)):
             raise UserError(
                 f"{out_dir} holds a run with {key}={old.get(key)!r}, not {settings.get(key)!r}; "
                 "use another --out"
@@ -240,6 +253,8 @@ def run_bench(
     health_timeout_s: float = 600.0,
     argv: list[str] | None = None,
     progress: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Path:
     """Run every arm over every conversation; skip what `out_dir` already holds."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -248,6 +263,8 @@ def run_bench(
         "conversations_sha256": _sha256(conversations_path),
         "subset": subset,
         "cap": cap,
+        "temperature": temperature,
+        "seed": seed,
         "arms": [r.label for r in runs],
         "external": {r.label: r.url for r in runs if r.url},
     }
@@ -268,12 +285,12 @@ def run_bench(
                     if not client.reachable():
                         raise UserError(f"arm {run.label}: no server answers at {run.url} "
                                         "(/health or /v1/models)")
-                    _run_arm(client, run, todo, cap, results, bar, None)
+                    _run_arm(client, run, todo, cap, results, bar, None, temperature, seed)
             else:
                 fresh = not any(arm == run.label for arm, _ in done)
                 server = _local_server(run, out_dir, fresh, serve_args, health_timeout_s)
                 with server, ChatClient(server.url) as client:
-                    _run_arm(client, run, todo, cap, results, bar, server)
+                    _run_arm(client, run, todo, cap, results, bar, server, temperature, seed)
         finally:
             bar.close()
     return out_dir
@@ -295,11 +312,12 @@ def _local_server(run, out_dir, fresh, serve_args, health_timeout_s) -> LocalSer
     )
 
 
-def _run_arm(client, run, todo, cap, results, bar, server: LocalServer | None) -> None:
+def _run_arm(client, run, todo, cap, results, bar, server: LocalServer | None,
+             temperature: float = 0.0, seed: int = 0) -> None:
     for conv in todo:
         records = []
         try:
-            for record in converse(client, run, conv, cap):
+            for record in converse(client, run, conv, cap, temperature, seed):
                 records.append(record)
                 results.append(record)
                 if record["turn_done"]:

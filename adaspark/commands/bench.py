@@ -12,6 +12,7 @@ from adaspark.bench.conversations import load_conversations, short_subset
 from adaspark.bench.runner import run_bench
 from adaspark.bench.servers import parse_external, plan_arms
 from adaspark.errors import UserError
+from adaspark.sampling import SamplingParams
 
 DEFAULT_CONVERSATIONS = "../shared/data/eval/conversations.jsonl"
 
@@ -37,6 +38,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-timeout", type=float, default=600.0,
                         help="seconds to wait for a started server's /health")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (0, the paper's protocol: greedy)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="base seed when sampling: each request gets one derived from it "
+                             "and its conversation turn, the same for every arm")
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -47,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.cap < 1:
         raise UserError("--cap must be at least 1")
+    SamplingParams(temperature=args.temperature, seed=args.seed).check()
     external = parse_external(args.url)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms and not external:
@@ -66,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         health_timeout_s=args.health_timeout,
         argv=["adaspark", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else None,
         progress=not args.no_progress,
+        temperature=args.temperature,
+        seed=args.seed,
     )
     print(f"results in {out}; tables: adaspark report {out}")
     return 0

@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from adaspark.commands.generate import add_model_options, load_engine, timing_line
+from adaspark.commands.generate import (
+    add_model_options,
+    load_engine,
+    sampling_params,
+    timing_line,
+)
 from adaspark.errors import UserError
 
 
@@ -19,6 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    sampling = sampling_params(args)
     engine = load_engine(args)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -50,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             gen = engine.generate(messages, max_tokens=args.max_tokens, stop=args.stop,
-                                  on_text=stream)
+                                  on_text=stream, sampling=sampling)
         except UserError as err:  # e.g. the conversation outgrew the context: keep the session
             messages.pop()
             print(f"error: {err} (try /reset)", file=sys.stderr)

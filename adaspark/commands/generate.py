@@ -1,4 +1,5 @@
-"""`adaspark generate`: one greedy chat reply to a prompt, streamed or as JSON."""
+"""`adaspark generate`: one chat reply to a prompt (greedy, or sampled with --temperature),
+streamed or as JSON."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 
 from adaspark.engine import Engine, Generation
+from adaspark.sampling import SamplingParams
 
 
 def positive_int(text: str) -> int:
@@ -41,6 +43,27 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="start from an empty learned store (it is still saved)")
     parser.add_argument("--round-log", metavar="FILE",
                         help="append one JSON line per decoding round")
+    sampling = parser.add_argument_group(
+        "sampling", "position-keyed Gumbel-max: a seed gives the same reply on every arm")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="0 (default) is greedy; up to 2")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                          help="sample from the likeliest tokens holding mass P (0, 1]")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K",
+                          help="sample from the K likeliest tokens (0: all)")
+    sampling.add_argument("--seed", type=int, metavar="N",
+                          help="noise seed (default: drawn, and printed with the reply)")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                          help="subtract X per earlier use of a token in the reply [-2, 2]")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                          help="subtract X from every token already in the reply [-2, 2]")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling options, checked (a SamplingError, a UserError, names a bad one)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          seed=args.seed, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty).check()
 
 
 def load_engine(args: argparse.Namespace) -> Engine:
@@ -56,7 +79,8 @@ def timing_line(gen: Generation) -> str:
             f"{t.decode_tok_s:.1f} tok/s; {gen.finish_reason}"
             + (f"; {t.draft_rounds} draft + {t.ngram_rounds} n-gram + {t.plain_rounds} plain "
                f"rounds, mean width {t.mean_width:.1f}, {t.accepted_tokens} drafted tokens "
-               f"accepted]" if t.draft_rounds + t.ngram_rounds else "]"))
+               f"accepted" if t.draft_rounds + t.ngram_rounds else "")
+            + (f"; seed {gen.seed}]" if gen.seed is not None else "]"))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +92,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    sampling = sampling_params(args)  # a bad value fails before the model loads
     engine = load_engine(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
@@ -77,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     gen = engine.generate(messages, max_tokens=args.max_tokens, stop=args.stop,
-                          on_text=None if args.json else stream)
+                          on_text=None if args.json else stream, sampling=sampling)
     if args.json:
         print(json.dumps({
             "text": gen.text, "token_ids": gen.token_ids,
@@ -86,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             "timings": gen.timings.as_dict(), "model": str(engine.model_path),
             "precision": args.precision,
             "arm": engine.speculator.arm if engine.speculator is not None else "ar",
+            "seed": gen.seed,
         }, ensure_ascii=False))
     else:
         print()

@@ -146,8 +146,10 @@ class Drafter:
             self._pending_len += taps.shape[0]
 
     @torch.inference_mode()
-    def draft(self, anchor: int) -> DraftBlock:
-        """Draft the B tokens after `anchor`, which sits at position self.length."""
+    def draft(self, anchor: int, noise: torch.Tensor | None = None) -> DraftBlock:
+        """Draft the B tokens after `anchor`, which sits at position self.length. noise: [B,
+        V_d] added to the backbone logits first (sampling: the target's Gumbel noise times T),
+        so the picks and candidates are the perturbed ones."""
         m, cache, B = self.model, self.cache, self.block_size
         n = cache.length
         cache._grow(n + B)  # the block's own K/V use the slots past the committed prefix
@@ -158,6 +160,8 @@ class Drafter:
             x = layer.forward_cached(x, pos, k_buf, v_buf, n)
         hidden = m.norm(x)  # [B, dim]
         logits = m.logits(hidden).float()  # [B, V_d]
+        if noise is not None:
+            logits += noise
         # The Markov bias is low-rank and moves a row's ranking only near its top, so it is
         # applied to each row's `shortlist` best backbone candidates instead of all V_d: seven
         # [V_d x r] matvecs cost a quarter of the draft on this CPU, seven [64 x r] nothing.

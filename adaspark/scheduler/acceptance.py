@@ -5,7 +5,7 @@ API (stable; numpy only):
     model = AcceptanceModel(gate=3.0)      gate: the 3-sigma test before leaving the prior
     model.begin_request()                  resets the request intercept, the head offset and the
                                            per-request log-loss stats (coefficients persist)
-    scored = model.score(tree, context_len, head_only=False) -> Scored
+    scored = model.score(tree, context_len, head_only=False, temperature=0.0) -> Scored
         scored.q[N]        the q that prices this round (fitted while the guard prefers it and
                            head_only is False, else head-based); feed to tree.rank(tree, q)
         scored.q_fit[N], scored.q_head[N], scored.fitted_prices: bool
@@ -18,7 +18,7 @@ API (stable; numpy only):
         RoundLoss(nodes, fitted, head): summed per-node log losses, scored before learning.
     model.request_stats -> {"nodes", "fitted_loss", "head_loss", "rounds", "fitted_rounds"}
     model.bucket_labels -> int64[12]      labelled n-gram nodes per bucket (for exploration)
-    model.coefficients -> float64[56]     read-only; see COEF_NAMES
+    model.coefficients -> float64[59]     read-only; see COEF_NAMES
     model.calibration -> float64[3, 10]   since this process started (not stored): per bin of
                                           the q that priced a labelled node (tenths), its
                                           count, the sum of that q and the sum of its labels
@@ -28,6 +28,8 @@ Scores (all + b_req, the per-request intercept):
     pick     a0 + a1 logit h + a2 logit sigma + d_pick (depth-1) + c_pick ctx
     sibling  a3 + a4 log r + a5 logit h + a6 logit sigma + d_sib (depth-1) + c_sib ctx
     n-gram   logit p + w_bucket + c_ngram ctx                         (ctx = context_len / 8192)
+    each kind also + t_kind T, T the request's sampling temperature (0 when greedy, where these
+    terms vanish and never learn): under sampling a pick is right less often than its head says
     agreed drafter node:       + max(0, logit p) + w_agreed[bucket, pick/sibling]
     contradicted drafter node: - max(0, logit p) + w_contra[evidence, pick/sibling]
 q_j = exp(s_j) / (1 + sum over every candidate i of j's parent of exp(s_i)) (none scores 0).
@@ -66,13 +68,16 @@ N_DRAFTER = 12  # a0..a6, two depth terms, three context terms
 BUCKET0 = N_DRAFTER
 AGREED0 = BUCKET0 + N_BUCKETS
 CONTRA0 = AGREED0 + 2 * N_BUCKETS
-N_COEF = CONTRA0 + 2 * N_EVIDENCE
+TEMP0 = CONTRA0 + 2 * N_EVIDENCE  # temperature: pick, sibling, n-gram
+N_COEF_V1 = TEMP0  # stores written before the temperature terms
+N_COEF = TEMP0 + 3
 COEF_NAMES = (
     ["a0", "a1", "a2", "a3", "a4", "a5", "a6", "depth_pick", "depth_sibling",
      "ctx_pick", "ctx_sibling", "ctx_ngram"]
     + [f"bucket{b}" for b in range(N_BUCKETS)]
     + [f"agreed{b}_{w}" for b in range(N_BUCKETS) for w in ("pick", "sibling")]
     + [f"contra{e}_{w}" for e in range(N_EVIDENCE) for w in ("pick", "sibling")]
+    + ["temp_pick", "temp_sibling", "temp_ngram"]
 )
 
 DRAFTER_RATE, BUCKET_RATE, BETA, L2, GATE, G2_CAP = 0.05, 0.5, 1.0, 0.01, 3.0, 400.0
@@ -158,7 +163,8 @@ class RoundLoss:
     head: float
 
 
-def design(tree: CandidateTree, context_len: int) -> tuple[np.ndarray, np.ndarray]:
+def design(tree: CandidateTree, context_len: int,
+           temperature: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Feature matrix X[N, N_COEF] and fixed offset[N] so that s = X @ w + offset + b_req."""
     B, K, N = tree.B, tree.K, tree.n_nodes
     D = B * K
@@ -169,6 +175,7 @@ def design(tree: CandidateTree, context_len: int) -> tuple[np.ndarray, np.ndarra
     X = np.zeros((N, N_COEF))
     if D == 0:  # an undrafted round: n-gram nodes only
         X[:, 11] = ctx
+        X[:, TEMP0 + 2] = temperature
         X[np.arange(N), BUCKET0 + tree.bucket] = 1.0
         return X, tree.logit_p.copy()
     # Drafter nodes are node i*K + k (k == 0 the pick): fill them as a [B, K, N_COEF] view.
@@ -187,9 +194,12 @@ def design(tree: CandidateTree, context_len: int) -> tuple[np.ndarray, np.ndarra
     Xd[:, 1:, 6] = ls[:, None]
     Xd[:, 1:, 8] = above[:, None]
     Xd[:, 1:, 10] = ctx
+    Xd[:, 0, TEMP0] = temperature
+    Xd[:, 1:, TEMP0 + 1] = temperature
     offset = np.zeros(N)
     if N > D:  # n-gram nodes follow the drafter's
         X[D:, 11] = ctx
+        X[D:, TEMP0 + 2] = temperature
         X[np.arange(D, N), BUCKET0 + tree.bucket[D:]] = 1.0
         offset[D:] = tree.logit_p[D:]
     lp = tree.logit_p[:D]
@@ -210,6 +220,7 @@ class AcceptanceModel:
     def __init__(self, gate: float = GATE):
         alpha = np.full(N_COEF, BUCKET_RATE)
         alpha[:N_DRAFTER] = DRAFTER_RATE
+        alpha[TEMP0:] = DRAFTER_RATE
         self.ftrl = FTRLProximal(prior_coefficients(), alpha, beta=BETA, l2=L2, gate=gate,
                                  n_cap=G2_CAP)
         self.b_req = AdaGradScalar(REQ_RATE, REQ_BAND, REQ_G2_CAP)
@@ -236,8 +247,9 @@ class AcceptanceModel:
         self.request_stats = {"nodes": 0, "fitted_loss": 0.0, "head_loss": 0.0,
                               "rounds": 0, "fitted_rounds": 0}
 
-    def score(self, tree: CandidateTree, context_len: int, head_only: bool = False) -> Scored:
-        X, offset = design(tree, context_len)
+    def score(self, tree: CandidateTree, context_len: int, head_only: bool = False,
+              temperature: float = 0.0) -> Scored:
+        X, offset = design(tree, context_len, temperature)
         b = self.b_req.value
         q_fit = parent_softmax(tree.parent, X @ self.ftrl.weights + offset + b)
         h = np.clip(tree.head_estimate, HEAD_CLIP, 1.0 - HEAD_CLIP)
@@ -308,15 +320,19 @@ class AcceptanceModel:
         self.calibration[2] += np.bincount(bins, weights=y.astype(np.float64), minlength=n)
 
     def state_dict(self) -> dict:
-        return {"version": 1, "ftrl": self.ftrl.state_dict(),
+        return {"version": 2, "ftrl": self.ftrl.state_dict(),
                 "guard": [self.guard_fitted, self.guard_head],
                 "bucket_labels": self.bucket_labels.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         try:
-            if state.get("version") != 1:
-                raise UserError(f"acceptance state version {state.get('version')!r} unknown")
-            self.ftrl.load_state_dict(state["ftrl"])
+            version = state.get("version")
+            if version not in (1, 2):
+                raise UserError(f"acceptance state version {version!r} unknown")
+            ftrl = state["ftrl"]
+            if version == 1:  # the temperature terms start at their prior (0), unlearned
+                ftrl = {k: list(v) + [0] * (N_COEF - N_COEF_V1) for k, v in ftrl.items()}
+            self.ftrl.load_state_dict(ftrl)
             self.guard_fitted, self.guard_head = (float(x) for x in state["guard"])
             labels = np.array(state["bucket_labels"], dtype=np.int64)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -181,6 +181,7 @@ class Scheduler:
         self.plain_law = QuantileLaw()  # the 1-row step, for plain rounds (width 1 is no class)
         self.index: NgramIndex | None = None
         self._anchor: int | None = None  # the last committed token; None between requests
+        self.temperature = 0.0  # the request's sampling temperature (acceptance feature)
         self._round = 0  # rounds of this request
         self._plain_run = 0  # plain rounds in a row
         self.gate = DraftGate()
@@ -202,14 +203,16 @@ class Scheduler:
         return 0.0 if self.part_times is None else perf_counter()
 
     # ----- request -----------------------------------------------------------------------
-    def begin_request(self, committed_tokens: Sequence[int]) -> None:
+    def begin_request(self, committed_tokens: Sequence[int], temperature: float = 0.0) -> None:
         """A new request whose committed text so far is `committed_tokens` (its last token is
-        the first round's anchor)."""
+        the first round's anchor); temperature: its sampling temperature (0: greedy), a feature
+        of the acceptance model."""
         tokens = np.asarray(committed_tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise ValueError("a request needs at least one committed token (the anchor)")
         self.index = NgramIndex(tokens) if self.arm.ngram else None
         self._anchor = int(tokens[-1])
+        self.temperature = float(temperature)
         self.acceptance.begin_request()
         self._round = 0
         self._plain_run = 0
@@ -286,7 +289,8 @@ class Scheduler:
         offers = self.cost.offers(ctx)
         if tree.n_nodes == 0 or not offers:
             return self.plain(ctx)
-        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted)
+        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                       temperature=self.temperature)
         ranking = rank(tree, scored.q)
         if ranking.n_useful == 0:
             return self.plain(ctx)
@@ -323,7 +327,8 @@ class Scheduler:
         if self.index is not None:
             self.index.chains(tree)
             t = self._lap("ngram chains", t)
-        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted)
+        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                       temperature=self.temperature)
         t = self._lap("q", t)
         ranking = rank(tree, scored.q)
         t = self._lap("order", t)

@@ -5,7 +5,10 @@ thread (see worker.py), one request at a time in arrival order. Any model name i
 request: the server serves exactly one model, and echoes its id in every response. A prompt that
 fills the context is refused (400, context_length_exceeded); otherwise the reply may run to
 max_tokens or to the end of the context, whichever comes first (finish_reason "length").
-Every response, streamed or not, carries `usage` and the engine's `timings` for the request.
+Every response, streamed or not, carries `usage` and the engine's `timings` for the request (of
+its first choice when n > 1). A sampled response also carries `adaspark: {"seed": S}`: choice i
+used seed S + i, so any reply can be reproduced. Logprobs, when asked for, come whole in each
+choice's last chunk when streaming.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,8 +61,8 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def _usage(prompt_tokens: int, result: Any) -> dict[str, int]:
-    completion = len(result.token_ids)
+def _usage(prompt_tokens: int, results: list[Any]) -> dict[str, int]:
+    completion = sum(len(result.token_ids) for result in results)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -137,30 +142,62 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
                 code="context_length_exceeded",
             )
         cap = req.token_cap()
-        reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls())
-        job = Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id)
+        sampling = req.sampling()
+        reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls(), sampling.seed,
+                      engine.tokenizer.token_bytes)
+        cancel = threading.Event()  # one client: leaving cancels every choice
+        jobs = [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
+                    cancel=cancel, sampling=choice_sampling(sampling, i))
+                for i in range(req.n or 1)]
         if req.stream:
-            stream = _sse(app.state.worker, job, reply, req.include_usage())
+            stream = _sse(app.state.worker, jobs, reply, req.include_usage())
             return StreamingResponse(stream, media_type="text/event-stream")
-        return await _complete(request, app.state.worker, job, reply)
+        return await _complete(request, app.state.worker, jobs, reply)
 
     return app
+
+
+def choice_sampling(sampling: Any, index: int) -> Any:
+    """Choice `index` of n: its own seed, so the n samples differ and each can be reproduced."""
+    return sampling if index == 0 or sampling.seed is None else \
+        replace(sampling, seed=sampling.seed + index)
 
 
 class Reply:
     """What every response about one request shares: its id, model and how to finish it."""
 
-    def __init__(self, model_id: str, prompt_tokens: int, tools_active: bool):
+    def __init__(self, model_id: str, prompt_tokens: int, tools_active: bool,
+                 seed: int | None = None, token_bytes: list[bytes] | None = None):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_id
         self.prompt_tokens = prompt_tokens
         self.tools_active = tools_active
+        self.seed = seed  # the sampling seed of choice 0; None: greedy
+        self.token_bytes = token_bytes
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {} if self.seed is None else {"adaspark": {"seed": self.seed}}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
+
+    def logprobs(self, result: Any) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for a reply's tokens, or None when not asked for."""
+        if getattr(result, "logprobs", None) is None or self.token_bytes is None:
+            return None
+
+        def token(tid: int, logprob: float) -> dict[str, Any]:
+            raw = self.token_bytes[tid]
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                    "bytes": list(raw)}
+
+        return {"content": [{**token(e["id"], e["logprob"]),
+                             "top_logprobs": [token(i, v) for i, v in e["top"]]}
+                            for e in result.logprobs]}
 
     def finish(self, text: str, result: Any) -> tuple[dict[str, Any], str]:
         """The final message and finish_reason of a reply."""
@@ -170,34 +207,38 @@ class Reply:
         return {"role": "assistant", "content": text}, result.finish_reason
 
 
-async def _complete(request: Request, worker: EngineWorker, job: Job, reply: Reply) -> Any:
-    future = asyncio.wrap_future(worker.submit(job))
-
+async def _complete(request: Request, worker: EngineWorker, jobs: list[Job],
+                    reply: Reply) -> Any:
     async def watch_disconnect() -> None:
         # the body has been read, so the next message can only be the client leaving
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancel.set()
+        for job in jobs:
+            job.cancel.set()
 
     watcher = asyncio.create_task(watch_disconnect())
-    try:
-        result = await future
+    try:  # the n choices one after another
+        results = [await asyncio.wrap_future(worker.submit(job)) for job in jobs]
     except UserError as err:
         return error_response(400, str(err))
     except Cancelled:
         return error_response(400, "request cancelled")  # nobody is listening any more
     finally:
         watcher.cancel()
-    message, finish_reason = reply.finish(result.text, result)
+    choices = []
+    for index, result in enumerate(results):
+        message, finish_reason = reply.finish(result.text, result)
+        choices.append({"index": index, "message": message, "finish_reason": finish_reason,
+                        "logprobs": reply.logprobs(result)})
     return JSONResponse({
         "id": reply.id,
         "object": "chat.completion",
         "created": reply.created,
         "model": reply.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                     "logprobs": None}],
-        "usage": _usage(reply.prompt_tokens, result),
-        "timings": result.timings.as_dict(),
+        "choices": choices,
+        "usage": _usage(reply.prompt_tokens, results),
+        "timings": results[0].timings.as_dict(),
+        **reply.extra,
     })
 
 
@@ -205,9 +246,31 @@ _DONE = object()
 
 
 async def _sse(
-    worker: EngineWorker, job: Job, reply: Reply, include_usage: bool
+    worker: EngineWorker, jobs: list[Job], reply: Reply, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events for one request; leaving early (a disconnect) cancels the request."""
+    """Server-sent events for one request, its n choices one after another; leaving early (a
+    disconnect) cancels the request."""
+    results: list[Any] = []
+    try:
+        for index, job in enumerate(jobs):
+            last = index == len(jobs) - 1
+            async for event in _sse_choice(worker, job, reply, index, last, results):
+                yield event
+            if len(results) <= index:  # the choice failed and said so in the stream
+                return
+        usage, timings = _usage(reply.prompt_tokens, results), results[0].timings.as_dict()
+        if include_usage:
+            yield reply.chunk([], usage=usage, timings=timings, **reply.extra)
+        yield "data: [DONE]\n\n"
+    finally:
+        for job in jobs:
+            job.cancel.set()  # a no-op once finished; stops the engine if the client left
+
+
+async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, last: bool,
+                      results: list[Any]) -> AsyncIterator[str]:
+    """One choice's chunks; appends its result to `results` when it finishes. The last
+    choice's final chunk carries the request's usage and timings."""
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue = asyncio.Queue()
 
@@ -225,42 +288,39 @@ async def _sse(
         nonlocal first
         body = {"role": "assistant", "content": content} if first else {"content": content}
         first = False
-        return reply.chunk([{"index": 0, "delta": body, "finish_reason": None, "logprobs": None}])
+        return reply.chunk([{"index": index, "delta": body, "finish_reason": None,
+                             "logprobs": None}])
 
-    try:
-        while (piece := await pieces.get()) is not _DONE:
-            if not piece:
+    while (piece := await pieces.get()) is not _DONE:
+        if not piece:
+            continue
+        if reply.tools_active and (held or first):
+            held += piece
+            if may_be_tool_call(held):
                 continue
-            if reply.tools_active and (held or first):
-                held += piece
-                if may_be_tool_call(held):
-                    continue
-                piece, held = held, ""
-            yield delta(piece)
-        try:
-            result = future.result()
-        except (UserError, Cancelled) as err:
-            yield f"data: {json.dumps(error_body(400, str(err) or 'request cancelled'))}\n\n"
-            return
-        except Exception as err:  # a bug: say so in the stream, whose status was already sent
-            log.exception("internal error while streaming")
-            yield f"data: {json.dumps(error_body(500, f'internal server error: {err!r}'))}\n\n"
-            return
-        calls = parse_tool_calls(held) if held else None
-        if calls:
-            final = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            if first:
-                final = {"role": "assistant", "content": None, **final}
-            finish_reason = "tool_calls"
-        else:
-            if held or first:
-                yield delta(held)
-            final, finish_reason = {}, result.finish_reason
-        usage, timings = _usage(reply.prompt_tokens, result), result.timings.as_dict()
-        yield reply.chunk([{"index": 0, "delta": final, "finish_reason": finish_reason,
-                            "logprobs": None}], usage=usage, timings=timings)
-        if include_usage:
-            yield reply.chunk([], usage=usage, timings=timings)
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel.set()  # a no-op once finished; stops the engine if the client left
+            piece, held = held, ""
+        yield delta(piece)
+    try:
+        result = future.result()
+    except (UserError, Cancelled) as err:
+        yield f"data: {json.dumps(error_body(400, str(err) or 'request cancelled'))}\n\n"
+        return
+    except Exception as err:  # a bug: say so in the stream, whose status was already sent
+        log.exception("internal error while streaming")
+        yield f"data: {json.dumps(error_body(500, f'internal server error: {err!r}'))}\n\n"
+        return
+    calls = parse_tool_calls(held) if held else None
+    if calls:
+        final = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        if first:
+            final = {"role": "assistant", "content": None, **final}
+        finish_reason = "tool_calls"
+    else:
+        if held or first:
+            yield delta(held)
+        final, finish_reason = {}, result.finish_reason
+    results.append(result)
+    usage, timings = _usage(reply.prompt_tokens, results), results[0].timings.as_dict()
+    yield reply.chunk([{"index": index, "delta": final, "finish_reason": finish_reason,
+                        "logprobs": reply.logprobs(result)}],
+                      **({"usage": usage, "timings": timings, **reply.extra} if last else {}))

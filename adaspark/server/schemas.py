@@ -1,8 +1,10 @@
 """The request body of `/v1/chat/completions`, validated with pydantic.
 
-Only what the engine can honour is accepted: greedy decoding (temperature 0 or absent, top_p 1,
-n 1), no penalties, no logprobs. Anything else is refused with a 400 that names the field,
-rather than silently ignored, because it would change the reply the client expects.
+Only what the engine can honour is accepted; anything else is refused with a 400 that names the
+field, rather than silently ignored, because it would change the reply the client expects.
+Sampling (adaspark/sampling.py): temperature [0, 2] (0 or absent: greedy), top_p (0, 1], top_k
+>= 0 (0: off), an integer seed, penalties in [-2, 2], logprobs with top_logprobs 0-20, and n
+choices (n seeded samples, choice i with seed + i, run one after another).
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from adaspark.sampling import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_CHOICES = 16  # n: the choices run one after another, so a cap bounds one request's time
 
 
 class RequestError(Exception):
@@ -76,7 +82,7 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    # Unknown fields (user, seed, metadata, ...) do not change a greedy reply: ignored.
+    # Unknown fields (user, metadata, ...) do not change the reply: ignored.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -88,27 +94,22 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=None, ge=1)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logprobs: bool | None = None
+    top_k: int | None = Field(default=None, ge=0)  # vLLM's extension; 0: off
+    seed: int | None = Field(default=None, strict=True)  # 3.0 or "3" is not an integer seed
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: bool | None = Field(default=None, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        """Refuse, with a RequestError, whatever greedy decoding cannot honour."""
+        """Refuse, with a RequestError, whatever the engine cannot honour."""
         refusals = [
-            (self.temperature not in (None, 0), "temperature",
-             "only greedy decoding is implemented: temperature must be 0 or absent"),
-            (self.top_p not in (None, 1), "top_p",
-             "only greedy decoding is implemented: top_p must be 1 or absent"),
-            (self.n not in (None, 1), "n", "only one choice per request (n = 1) is supported"),
-            (self.frequency_penalty not in (None, 0), "frequency_penalty",
-             "frequency_penalty is not supported"),
-            (self.presence_penalty not in (None, 0), "presence_penalty",
-             "presence_penalty is not supported"),
-            (bool(self.logprobs), "logprobs", "logprobs are not supported"),
+            (bool(self.top_logprobs) and not self.logprobs, "top_logprobs",
+             "top_logprobs needs logprobs: true"),
             (self.response_format not in (None, {"type": "text"}), "response_format",
              "only the text response_format is supported"),
             (self.tool_choice not in (None, "auto", "none"), "tool_choice",
@@ -129,6 +130,17 @@ class ChatRequest(BaseModel):
                         "tool call arguments must be a JSON object in text",
                         param=f"messages.{i}.tool_calls",
                     ) from None
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling, with a seed drawn when sampling without one (returned to the
+        client so that the reply can be reproduced)."""
+        params = SamplingParams(
+            temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, seed=self.seed,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0, logprobs=bool(self.logprobs),
+            top_logprobs=self.top_logprobs or 0).check()
+        return params.with_seed() if params.temperature > 0 else params
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -30,6 +30,7 @@ class Job:
     request_id: str | None = None  # names the request in the engine's round log
     on_text: Callable[[str], None] | None = None  # called on the engine thread with new text
     cancel: threading.Event = field(default_factory=threading.Event)
+    sampling: Any = None  # a SamplingParams; None: greedy
 
 
 class EngineWorker:
@@ -93,6 +94,7 @@ class EngineWorker:
                 on_text=job.on_text,
                 should_stop=job.cancel.is_set,
                 request_id=job.request_id,
+                sampling=job.sampling,
             )
             return self.last_result
         finally:

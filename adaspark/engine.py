@@ -160,7 +160,8 @@ class Reply:
             self._streamed = upto
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -276,7 +277,7 @@ class Engine:
         if self.target.cache.length != len(self._cached_ids):
             self._cached_ids = []  # someone else moved the target's cache: trust none of it
         # At least the last prompt token is run again: its logits give the first reply token.
-        keep = min(_common_prefix(self._cached_ids, prompt), len(prompt) - 1)
+        keep = min(common_prefix(self._cached_ids, prompt), len(prompt) - 1)
         start = time.perf_counter()
         try:
             self.target.truncate(keep)

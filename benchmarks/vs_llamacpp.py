@@ -249,15 +249,6 @@ def summarize(pairs: list[dict]) -> dict:
     }
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def load_prompts(path: Path, count: int, max_chars: int) -> list[list[dict]]:
     """First user turn (with its system prompt) of the first conversation of each source,
     skipping tool conversations (tool schemas would reach the two prompts differently) and
@@ -281,7 +272,7 @@ def load_prompts(path: Path, count: int, max_chars: int) -> list[list[dict]]:
 def run_benchmark(args: argparse.Namespace, venv: Path, cpuinfo: str) -> dict:
     import torch
 
-    from adaspark.engine import Engine
+    from adaspark.engine import Engine, common_prefix
     from adaspark.model.sources import default_model_path
 
     torch.set_num_threads(args.threads)

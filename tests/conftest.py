@@ -5,6 +5,18 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """The machine is shared: one thread per test process keeps a forward from stalling
+    (modules that decode a lot opt in with pytest.mark.usefixtures("one_thread"))."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from adaspark.model.sources import default_model_path

@@ -14,16 +14,12 @@ import os
 import shutil
 import tempfile
 
-import httpx
 import openai
 import pytest
-from test_server import _serving, _wait
-
-from adaspark.server import create_app
+from test_watch import KEY, keyed_server  # noqa: F401 - the shared keyed server fixture
 
 pytestmark = pytest.mark.slow
 
-KEY = "dashboard-key"
 CHARTS = ("decode-rate", "width-share", "cost-curve", "calibration", "accepted-source")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -57,22 +53,8 @@ def browser():
             context.close()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from adaspark.engine import Engine
-    from adaspark.model.sources import default_model_path
-
-    model_path = default_model_path(download=False)
-    stores = tmp_path_factory.mktemp("stores")
-    app = create_app(lambda: Engine.load(model_path, arm="adaspark,gate", store=stores,
-                                         fresh=True), model_id=model_path.stem, api_key=KEY)
-    with _serving(app) as base:
-        _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
-        yield base
-
-
-def test_dashboard_draws_every_chart_in_a_real_browser(browser, served):
-    base = served
+def test_dashboard_draws_every_chart_in_a_real_browser(browser, keyed_server):  # noqa: F811
+    base = keyed_server["base"]
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300)
     for prompt in PROMPTS:
         client.chat.completions.create(model="m", max_tokens=24,

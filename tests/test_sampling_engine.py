@@ -20,19 +20,11 @@ from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
 from adaspark.sampling import SamplingParams, gumbel_noise
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ARMS = ("chain3", "tree:3", "cost", "adaspark", "adaspark:4", "adaspark,gate")
 FULL = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=11, frequency_penalty=0.4,
                       presence_penalty=0.2, logprobs=True, top_logprobs=3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -26,21 +26,12 @@ from adaspark.model.transformer import Transformer
 from adaspark.scheduler.round import Scheduler
 from adaspark.speculative import DEFAULT_ARM, Speculator, load_speculator
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 COPY = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": f"Repeat exactly: {SENTENCE} {SENTENCE}"}]
 ARMS = ("chain3", "chain", "tree:3", "cost", "adaspark", "adaspark:4")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The machine is shared: one thread per test process keeps a forward from stalling."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def random_model(target) -> DraftModel:

@@ -89,10 +89,8 @@ def test_summary_medians_and_ratios():
     assert vs.summarize([]) == {}
 
 
-def test_decode_speed_and_common_prefix():
+def test_decode_speed():
     assert vs.tok_s(31, 0.5) == 62.0 and vs.tok_s(0, 0.0) == 0.0
-    assert vs.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert vs.common_prefix([], [1]) == 0
 
 
 def test_prompts_fall_back_to_fixed_ones(tmp_path):

@@ -25,7 +25,8 @@ COPY = [{"role": "user", "content": "Repeat exactly: The quick brown fox jumps o
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def keyed_server(tmp_path_factory):
+    """The embedded model served behind KEY, from an empty store (also the browser test's)."""
     from adaspark.engine import Engine
     from adaspark.model.sources import default_model_path
 
@@ -37,6 +38,11 @@ def served(tmp_path_factory):
         _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300)
         yield {"base": base, "app": app, "client": client}
+
+
+@pytest.fixture(scope="module")
+def served(keyed_server):
+    return keyed_server
 
 
 def scrape(base: str) -> dict[tuple[str, tuple], float]:

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adaspark.model.kernels import KERNELS, LADDER, _cpu_name
+from adaspark import cpuinfo
+from adaspark.model.kernels import KERNELS, LADDER
 from adaspark.model.sources import resolve_model
 from adaspark.model.transformer import Transformer
 
@@ -122,14 +123,14 @@ def main() -> None:
         os.environ["ADASPARK_NATIVE"] = "off"
         torch_model = Transformer.from_gguf(path, precision="fast", max_context=capacity)
         arms.update({k: (torch_model, k) for k in KERNELS})
-    say(f"loaded in {time.perf_counter() - start:.1f} s; {_cpu_name()}; torch "
+    say(f"loaded in {time.perf_counter() - start:.1f} s; {cpuinfo.name()}; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, load average "
         f"{os.getloadavg()[0]:.1f}; chosen: {chosen} {model.native_note}")
 
     prompt = [(11 * i) % 1000 + 100 for i in range(max(contexts))]
     for m in {id(m): m for m, _ in arms.values()}.values():
         m.prefill(prompt)
-    result: dict = {"cpu": _cpu_name(), "threads": torch.get_num_threads(), "chosen": chosen,
+    result: dict = {"cpu": cpuinfo.name(), "threads": torch.get_num_threads(), "chosen": chosen,
                     "load_average": os.getloadavg()[0], "verify_ms": {}}
     for ctx in contexts:  # descending, so one prefill serves every context
         for m, _ in arms.values():

@@ -34,6 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+from adaspark.cpuinfo import flags as cpu_flags
+from adaspark.cpuinfo import name as cpu_name
+from adaspark.cpuinfo import read as read_cpuinfo
+
 VERSION = "0.3.36"
 STAMP = "adaspark-build.json"
 CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
@@ -62,27 +66,6 @@ ISA_SWITCHES = (
 )
 # AMX stays off even where listed: on this VM the -march=native build dies with SIGILL on it.
 ALWAYS_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
-
-
-def cpu_flags(cpuinfo: str) -> set[str]:
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def cpu_name(cpuinfo: str) -> str:
-    for line in cpuinfo.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def read_cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
 
 
 def cmake_args(flags: set[str], avx512: bool = True) -> str:

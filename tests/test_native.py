@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from adaspark import cpuinfo
 from adaspark.model import native
 from adaspark.model.gguf import GGUFTensor, read_gguf
 
@@ -131,7 +132,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(isa, gguf):
 
 
 def test_every_x86_build_is_offered_where_the_cpu_runs_it():
-    flags = native.cpu_flags()
+    flags = cpuinfo.flags()
     if {"avx2", "fma"} <= flags:
         assert "avx2" in BUILDS
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:

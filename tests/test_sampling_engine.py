@@ -12,12 +12,8 @@ from collections import Counter
 
 import pytest
 import torch
-from test_speculative import COPY, make_engine, random_model, traced
+from test_speculative import COPY, engine_parts, make_engine, traced
 
-from adaspark.drafter.runtime import Drafter
-from adaspark.model.sources import default_model_path
-from adaspark.model.tokenizer import Tokenizer
-from adaspark.model.transformer import Transformer
 from adaspark.sampling import SamplingParams, gumbel_noise
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -29,10 +25,7 @@ FULL = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=11, frequency_
 
 @pytest.fixture(scope="module")
 def parts():
-    path = default_model_path()
-    target = Transformer.from_gguf(path, precision="reference", max_context=1024)
-    drafter = Drafter(random_model(target), target.embed, dtype=torch.float32)
-    return target, Tokenizer.from_gguf(path), drafter, path
+    return engine_parts("reference")
 
 
 def two_turns(engine, sampling):

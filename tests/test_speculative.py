@@ -41,12 +41,17 @@ def random_model(target) -> DraftModel:
     return DraftModel(c, ids, target.embed(ids))
 
 
-@pytest.fixture(scope="module")
-def parts():
+def engine_parts(precision: str):
+    """(target, tokenizer, random drafter, model path) on the embedded model."""
     path = default_model_path()
-    target = Transformer.from_gguf(path, precision="reference", max_context=1024)
+    target = Transformer.from_gguf(path, precision=precision, max_context=1024, calibrate=False)
     drafter = Drafter(random_model(target), target.embed, dtype=torch.float32)
     return target, Tokenizer.from_gguf(path), drafter, path
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return engine_parts("reference")
 
 
 def make_engine(parts, arm: str) -> Engine:
@@ -120,12 +125,10 @@ def test_every_arm_emits_the_ar_tokens_in_reference_precision(parts):
 
 @pytest.fixture(scope="module")
 def native_parts():
-    path = default_model_path()
-    target = Transformer.from_gguf(path, precision="fast", max_context=1024, calibrate=False)
-    if target.native is None:
-        pytest.skip(f"no native forward here: {target.native_note}")
-    drafter = Drafter(random_model(target), target.embed, dtype=torch.float32)
-    return target, Tokenizer.from_gguf(path), drafter, path
+    parts = engine_parts("fast")
+    if parts[0].native is None:
+        pytest.skip(f"no native forward here: {parts[0].native_note}")
+    return parts
 
 
 def test_every_arm_emits_the_ar_tokens_on_the_native_forward(native_parts):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from platformdirs import user_cache_dir
 
+from adaspark import cpuinfo
 from adaspark.model.gguf import GGUFTensor
 
 Q = GGMLQuantizationType
@@ -211,7 +212,7 @@ def calibrated_table(linears: Sequence[Linear], model_key: str) -> KernelTable:
 
     On a machine already busier than its cores (load average), timings say more about the
     other processes than about the kernels: use the default table and measure another time."""
-    machine = "|".join([CALIBRATION_VERSION, platform.machine(), _cpu_name(),
+    machine = "|".join([CALIBRATION_VERSION, platform.machine(), cpuinfo.name(),
                         torch.__version__, str(torch.get_num_threads())])
     key = hashlib.sha256(f"{model_key}|{machine}".encode()).hexdigest()[:16]
     path = Path(user_cache_dir("adaspark")) / "kernels" / f"{key}.json"
@@ -232,14 +233,3 @@ def calibrated_table(linears: Sequence[Linear], model_key: str) -> KernelTable:
                                "times_ms": times}, indent=1))
     os.replace(tmp, path)
     return KernelTable(best, times, f"measured now, saved to {path}")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-

@@ -409,7 +409,7 @@ class Transformer:
             taps = sorted(set(tap_layers))
             x, hiddens = self.native.forward(
                 self.cache.k, self.cache.v, self._tokens(tokens), start + depths, start,
-                ancestors.cpu(), taps)
+                ancestors, taps)
             return x, dict(zip(taps, hiddens, strict=True)), kernel
         span = start + n
         mask = tree = None

@@ -12,36 +12,27 @@ import os
 import sys
 from collections.abc import Sequence
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from adaspark import cpuinfo
 from adaspark.model.gguf import GGUFTensor
 from adaspark.model.native.paths import BUILD_DIR, PREFERENCE, module_name, source_hash
 
 Q = GGMLQuantizationType
 GROUP = 32
 PACKABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
-_CPU_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"},
-              "avx2": {"avx2", "fma"}}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+# what each build was compiled for (paths.ISA_FLAGS), as /proc/cpuinfo names it
+_CPU_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
+              "avx2": {"avx2", "fma", "f16c"}}
 
 
 def runnable_isas() -> list[str]:
     """The builds this CPU can run, best first."""
-    flags = cpu_flags()
+    flags = cpuinfo.flags()
     return [isa for isa in PREFERENCE if _CPU_NEEDS[isa] <= flags]
 
 

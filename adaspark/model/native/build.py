@@ -35,28 +35,17 @@ def build_one(isa: str) -> str:
     return isa
 
 
-def compiler_missing() -> str | None:
-    for tool in ("c++", "ninja"):
-        if not shutil.which(tool) and not (tool == "ninja" and _venv_ninja()):
-            return tool
-    return None
-
-
-def _venv_ninja() -> bool:
-    return (Path(sys.executable).parent / "ninja").exists()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", action="append", choices=sorted(ISA_FLAGS),
                         help="build only these (default: all)")
     args = parser.parse_args(argv)
-    missing = compiler_missing()
+    # ninja from the venv's bin, where pip puts it
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    missing = next((tool for tool in ("c++", "ninja") if not shutil.which(tool)), None)
     if missing:
         print(f"adaspark: native forward not built ({missing} not found); the torch path runs")
         return 0
-    # ninja from the venv's bin, where pip puts it
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.gettempdir())
     isas = args.isa or sorted(ISA_FLAGS)
     failed = []

@@ -89,7 +89,7 @@ def test_native_stays_near_float32_reference(model, reference_model):
     """Activations rounded to int8 per block of 32 (as ggml does for these weights) move the
     last layer's rows by a few percent of the float32 reference (measured ~4%); 2^-3 leaves
     room for other CPUs' float rounding and is far below a wrong mask or weight layout (~100%).
-    The head's argmax is the float32 head's own (forward.cpp refines every near-top logit)."""
+    The head's argmax is the float32 head's own (target.h refines every near-top logit)."""
     tree = verify_rows(model, range(len(PARENTS)))
     exact = verify_rows(reference_model, range(len(PARENTS)))
     for layer in TAPS:

@@ -45,7 +45,9 @@ def engine_parts(precision: str):
     """(target, tokenizer, random drafter, model path) on the embedded model."""
     path = default_model_path()
     target = Transformer.from_gguf(path, precision=precision, max_context=1024, calibrate=False)
-    drafter = Drafter(random_model(target), target.embed, dtype=torch.float32)
+    # the drafter runs where the target does: on the native build when the target has one
+    drafter = Drafter(random_model(target), target.embed, dtype=torch.float32,
+                      native=target.native_module, positions=1024 + 16)
     return target, Tokenizer.from_gguf(path), drafter, path
 
 

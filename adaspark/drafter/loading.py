@@ -53,4 +53,7 @@ def load_drafter(target, model_path: Path, drafter_path: Path | None = None, **k
     info = target_info(target, model_path)
     path = Path(drafter_path) if drafter_path else default_drafter_for(info)
     model = load_checkpoint(path, info, target.embed)
+    if getattr(target, "native", None) is not None:  # the drafter runs on the target's build
+        kw.setdefault("native", target.native_module)
+        kw.setdefault("positions", target.cache.capacity + model.c.block_size)
     return Drafter(model, target.embed, **kw)

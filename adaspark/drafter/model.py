@@ -70,6 +70,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def rope_tables(head_dim: int, theta: float, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions, head_dim/2] float32, the angles rope() uses."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv
+    return ang.cos(), ang.sin()
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding on adjacent pairs; x [..., heads, seq, hd], pos [seq] or [b, seq]."""
     hd = x.shape[-1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -73,19 +74,28 @@ class Drafter:
 
     def __init__(
         self, model: DraftModel, embed: Embed, capacity: int = 1024, dtype=torch.bfloat16,
-        shortlist: int = 64,
+        shortlist: int = 64, native: ModuleType | None = None, positions: int = 8192,
     ):
-        """dtype: weights and cache at inference. At 7 rows every matmul is bound by reading
-        its weights, so bf16 (native on AVX512-BF16 CPUs) halves the draft time.
-        shortlist: candidates per row the Markov bias is applied to (>= V_d: exact)."""
+        """dtype: weights and cache at inference on the torch path. At 7 rows every matmul is
+        bound by reading its weights, so bf16 (native on AVX512-BF16 CPUs) halves the draft time.
+        shortlist: candidates per row the Markov bias is applied to (>= V_d: exact).
+        native: the native build's module (the target's): the whole draft in one call on Q8_0
+        weights (drafter/native.py), positions up to `positions`; None: the torch path."""
         self.shortlist = shortlist
-        if dtype != torch.float32:
+        self.native = None
+        if native is not None:
+            from adaspark.drafter.native import NativeCache, native_drafter
+
+            self.native = native_drafter(native, model, positions)
+            dtype = torch.float32  # what stays in torch (ids, embeddings) is float32
+        elif dtype != torch.float32:
             model = copy.deepcopy(model).to(dtype)
             model.head = model.head.to(dtype)
         self.model = model.eval()
         self.dtype = dtype
         self.embed = embed
-        self._cache = DrafterCache(model, capacity)
+        self._cache = (DrafterCache(model, capacity) if self.native is None
+                       else NativeCache(self.native, model, capacity, positions))
         self._pending: list[torch.Tensor] = []  # observed taps [n, n_taps, dim] not yet in cache
         self._pending_len = 0
         c = model.c
@@ -154,6 +164,13 @@ class Drafter:
         n = cache.length
         cache._grow(n + B)  # the block's own K/V use the slots past the committed prefix
         anchor_t = torch.tensor([anchor])
+        if self.native is not None:
+            picks, top_i, top_v, conf = self.native.draft(
+                cache.k, cache.v, self.embed(anchor_t)[0].float(), n, int(m.to_draft(anchor_t)),
+                self.shortlist, self.topk, torch.empty(0) if noise is None else noise.float())
+            ids = m.draft_ids.numpy()
+            return DraftBlock(picks=ids[picks.numpy()], topk_ids=ids[top_i.numpy()],
+                              topk_logits=top_v.numpy(), head=conf.numpy())
         x = m.block_rows(self.embed(anchor_t)[0].to(self.dtype))
         pos = torch.arange(n, n + B)
         for layer, k_buf, v_buf in zip(m.layers, cache.k, cache.v, strict=True):

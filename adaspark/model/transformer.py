@@ -9,7 +9,7 @@ Layout choices:
   store q/k (convert_hf_to_gguf permutes HF's half-split rows into pairs); qwen2/qwen3 GGUFs keep
   HF's half split, so their q/k rows are permuted the same way at load. Attention scores are
   unchanged: q and k share the permutation.
-- Precision "fast" on a CPU with the native build (native/forward.cpp): one native call per
+- Precision "fast" on a CPU with the native build (native/: target.h): one native call per
   forward, quantised weights times int8-quantised activations, an fp16 KV cache, every row's
   arithmetic independent of the other rows (a tree row is bit-identical to the same row
   decoded alone).
@@ -233,6 +233,7 @@ class Transformer:
         capacity = max_context or min(c.context_length, DEFAULT_MAX_CONTEXT)
         self._rope_tables(w.optional("rope_freqs.weight"), capacity)
         self.native_isa: str | None = None
+        self.native_module = None  # the build's module, when the native forward runs
         self.native, self.native_note = self._native_model(w, head)
         # the native forward keeps K/V in fp16 (half the bytes to read at long contexts)
         self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity,
@@ -293,7 +294,7 @@ class Transformer:
                 native.pack(module, [w.raw(p + "attn_output.weight")]),
                 native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
                 native.pack(module, [w.raw(p + "ffn_down.weight")]))
-        self.native_isa = module.ISA
+        self.native_isa, self.native_module = module.ISA, module
         return model, ""
 
     def _kernel_table(self, f: GGUFFile, calibrate: bool) -> KernelTable:

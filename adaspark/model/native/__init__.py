@@ -1,8 +1,8 @@
-"""The native forward: load the build this CPU runs best, repack GGUF weights for it.
+"""The native forward: load the build this CPU runs best, repack weights for it.
 
-`load()` returns the compiled module (see forward.cpp) or None with a one-line reason; the
-torch path runs then. ADASPARK_NATIVE=avx2 forces a build (tests run every path the build
-has), ADASPARK_NATIVE=off turns it off.
+`load()` returns the compiled module (module.cpp and the headers it includes) or None with a
+one-line reason; the torch path runs then. ADASPARK_NATIVE=avx2 forces a build (tests run every
+path the build has), ADASPARK_NATIVE=off turns it off.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def load_isa(isa: str) -> tuple[ModuleType | None, str]:
         return None, f"no {isa} build (run scripts/setup.sh)"
     stamp = BUILD_DIR / isa / "source.sha256"
     if not stamp.exists() or stamp.read_text().strip() != source_hash():
-        return None, f"the {isa} build is older than forward.cpp (run scripts/setup.sh)"
+        return None, f"the {isa} build is older than its sources (run scripts/setup.sh)"
     if isa not in runnable_isas():
         return None, f"this CPU cannot run the {isa} build"
     name = module_name(isa)
@@ -77,7 +77,10 @@ def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def unsigned_blocks(t: GGUFTensor) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+Blocks = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # bits, u [N, nb, 32], d, m [N, nb]
+
+
+def unsigned_blocks(t: GGUFTensor) -> Blocks:
     """(bits, u uint8 [N, nb, 32] in element order, d [N, nb], m [N, nb]) with each element's
     value d*u + m exactly as the GGUF block defines it."""
     n, k = t.shape
@@ -97,10 +100,27 @@ def unsigned_blocks(t: GGUFTensor) -> tuple[int, np.ndarray, np.ndarray, np.ndar
     raise ValueError(f"{t.qtype.name} cannot be packed for the native forward")
 
 
+def quantize_q8_0(w: torch.Tensor) -> Blocks:
+    """A float [n, k] weight as Q8_0 (ggml's: per block of 32, d = max|w|/127 in fp16, w ~ d*q
+    with q = round(w/d) in -127..127), in unsigned_blocks' form."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"a weight of {k} inputs is not whole blocks of {GROUP}")
+    x = w.detach().float().cpu().numpy().reshape(n, k // GROUP, GROUP)
+    d = (np.abs(x).max(-1) / 127).astype(np.float16).astype(np.float32)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(x * inv[..., None]), -127, 127)
+    return 8, (q + 128).astype(np.uint8), d, -128 * d
+
+
 def pack(module: ModuleType, tensors: Sequence[GGUFTensor]):
-    """One QWeight for tensors fused along their outputs (q|k|v, gate|up), in forward.cpp's
+    """One QWeight for GGUF tensors fused along their outputs (q|k|v, gate|up)."""
+    return pack_blocks(module, [unsigned_blocks(t) for t in tensors])
+
+
+def pack_blocks(module: ModuleType, parts: Sequence[Blocks]):
+    """One QWeight for weights in unsigned-block form fused along their outputs, in kernels.h's
     layout: groups of 16 outputs, per block 8 chunks of 4 inputs x 16 outputs."""
-    parts = [unsigned_blocks(t) for t in tensors]
     if len({p[0] for p in parts}) > 1:  # one packing per weight: widen 4-bit parts to 8 bits
         parts = [(8, *p[1:]) for p in parts]
     bits = parts[0][0]
@@ -126,7 +146,7 @@ def pack(module: ModuleType, tensors: Sequence[GGUFTensor]):
 def error_scales(t: GGUFTensor) -> torch.Tensor:
     """[2, blocks] float32: per block, the largest sum of |w| over the outputs (the int8
     rounding of half a step per input costs at most that much per unit step) and the largest
-    sum of |d*u| + |m| (what float rounding scales with). Their use: forward.cpp's head."""
+    sum of |d*u| + |m| (what float rounding scales with). Their use: target.h's head."""
     _, u, d, m = unsigned_blocks(t)
     w = np.abs(d[..., None] * u.astype(np.float32) + m[..., None]).sum(-1)
     terms = (np.abs(d[..., None] * u.astype(np.float32)) + np.abs(m[..., None])).sum(-1)

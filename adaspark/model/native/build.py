@@ -1,5 +1,5 @@
-"""Build the native forward (forward.cpp) once per instruction set, with torch's extension
-tooling: `python -m adaspark.model.native.build` (scripts/setup.sh runs it).
+"""Build the native forward (module.cpp and its headers) once per instruction set, with torch's
+extension tooling: `python -m adaspark.model.native.build` (scripts/setup.sh runs it).
 
 One module per instruction set from the same source, each compiled for that set only (no
 -march=native), so a build made here runs on any CPU that has the set; `native.load()` picks

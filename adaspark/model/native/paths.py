@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "forward.cpp"
+SOURCE = HERE / "module.cpp"  # one translation unit: it includes the headers beside it
 BUILD_DIR = HERE / "_build"
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
@@ -19,5 +19,13 @@ def module_name(isa: str) -> str:
     return f"adaspark_native_{isa}"
 
 
+def sources() -> list[Path]:
+    return [SOURCE, *sorted(HERE.glob("*.h"))]
+
+
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    """Of every source file, so that a build older than any of them is refused."""
+    digest = hashlib.sha256()
+    for path in sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()

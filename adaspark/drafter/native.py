@@ -1,0 +1,78 @@
+"""The drafter on the native build (model/native/drafter.h): weights quantised once at load,
+features in an fp16 cache, a whole draft in one call.
+
+The checkpoint's float32 matrices become Q8_0 (ggml's 8-bit blocks), so the backbone runs on
+the target's integer kernels; norms, the mask vector and the Markov and confidence heads stay
+float32. At seven rows every matmul is bound by reading its weights, so 8 bits read half of
+bf16's bytes, and one call replaces some sixty torch ops.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from adaspark.drafter.model import DraftModel, rope_tables
+from adaspark.drafter.runtime import DrafterCache
+from adaspark.model.native import pack_blocks, quantize_q8_0
+
+
+def _q8(module: ModuleType, *weights: torch.Tensor):
+    """One QWeight for weights fused along their outputs."""
+    return pack_blocks(module, [quantize_q8_0(w) for w in weights])
+
+
+def native_drafter(module: ModuleType, model: DraftModel, positions: int):
+    """The native Drafter for a float32 DraftModel, RoPE tables for `positions` positions."""
+    c = model.c
+    cos, sin = rope_tables(c.head_dim, c.rope_theta, positions)
+    f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+    out = module.Drafter(
+        c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.block_size, c.norm_eps, cos, sin,
+        _q8(module, model.fc.weight), f32(model.ctx_norm.weight), f32(model.mask_embedding),
+        f32(model.norm.weight), _q8(module, model.head), f32(model.markov_w1.weight),
+        f32(model.markov_w2.weight), f32(model.confidence.weight).flatten(),
+        float(model.confidence.bias.detach()), f32(model.temperature))
+    for ly in model.layers:
+        out.add_layer(f32(ly.attn_norm.weight), f32(ly.ffn_norm.weight),
+                      _q8(module, ly.q.weight, ly.k.weight, ly.v.weight),
+                      _q8(module, ly.k.weight, ly.v.weight), _q8(module, ly.o.weight),
+                      _q8(module, ly.gate.weight, ly.up.weight), _q8(module, ly.down.weight))
+    return out
+
+
+class NativeCache(DrafterCache):
+    """The drafter's K/V of context features in one fp16 tensor each, [layers, kv_heads,
+    capacity, head_dim], written by the native drafter."""
+
+    def __init__(self, drafter, model: DraftModel, capacity: int, positions: int):
+        c = model.c
+        self.drafter = drafter
+        self.positions = positions  # the RoPE table's length: the most the cache can hold
+        self.length = 0
+        capacity = min(capacity, positions)
+        self.k = torch.zeros(c.n_layers, c.n_kv_heads, capacity, c.head_dim, dtype=torch.float16)
+        self.v = torch.zeros_like(self.k)
+
+    def _grow(self, need: int) -> None:
+        if need > self.positions:
+            raise ValueError(f"the drafter's positions end at {self.positions}; {need} needed")
+        cap = self.k.shape[2]
+        if need <= cap:
+            return
+        new = min(max(need, 2 * cap), self.positions)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
+            grown[:, :, :cap] = old
+            setattr(self, name, grown)
+
+    def append(self, taps: torch.Tensor) -> None:
+        """taps [n, n_taps, dim]: target hidden states of n newly committed tokens, in order."""
+        n = taps.shape[0]
+        if n == 0:
+            return
+        self._grow(self.length + n)
+        self.drafter.append(self.k, self.v, taps.reshape(n, -1).float(), self.length)
+        self.length += n

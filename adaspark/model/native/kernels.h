@@ -1,0 +1,457 @@
+// Shared arithmetic of the native forward: float vectors for both builds, exp, fp16 K/V,
+// quantised weights x int8 activations by rows, RMSNorm, RoPE and tree attention.
+// Every function gives a row the same instruction sequence whatever the other rows are.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define ADASPARK_AVX512 1
+static const char* kIsa = "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+static const char* kIsa = "avx2";
+#else
+#error "build with AVX2 and FMA at least (build.py sets the flags)"
+#endif
+
+namespace adaspark {
+
+
+constexpr int kBlock = 32;  // inputs per quantisation block
+constexpr int kMaxHeadVectors = 16;  // head_dim up to 16 vectors (256 floats on AVX-512)
+
+// --- float vectors: one set of names for both builds ---------------------------------------------
+
+#ifdef ADASPARK_AVX512
+using vf = __m512;
+constexpr int W = 16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float hmax(vf a) { return _mm512_reduce_max_ps(a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2n(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+#else
+using vf = __m256;
+constexpr int W = 8;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline float hmax(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2n(vf p, vf n) {  // p * 2^n for n >= -126 (vexp clamps its input to keep it so)
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// exp by range reduction and a degree-6 polynomial (Cephes' expf), ~2 ulp; inputs below -87
+// are clamped (their exp underflows softmax weights to nothing anyway).
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vpow2n(p, n);
+}
+
+// exp in place over x[0, n): whole vectors only, so callers keep W-1 floats of slack.
+inline void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) vstore(x + i, vexp(vload(x + i)));
+}
+
+// fp16 <-> fp32 for the K/V cache (IEEE round to nearest even both ways).
+#ifdef ADASPARK_AVX512
+inline vf vload_h(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void vstore_h(uint16_t* p, vf a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+}
+#else
+inline vf vload_h(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void vstore_h(uint16_t* p, vf a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+// Dot of a float vector and an fp16 one, length n (a multiple of W), one fixed order.
+inline float vdot_h(const float* a, const uint16_t* b, int64_t n) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload_h(b + i), acc);
+  return vsum(acc);
+}
+
+// Dot of two float vectors of length n (a multiple of W), one fixed order.
+inline float vdot(const float* a, const float* b, int64_t n) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  return vsum(acc);
+}
+
+// --- quantised weights and activations ----------------------------------------------------------
+
+int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// A [n, k] weight in groups of 16 outputs: per group and block of 32 inputs, the 16 outputs'
+// unsigned integers u (value d*u + m) in 8 chunks of 4 inputs, each chunk 64 bytes (4 per
+// output), so one vector op multiplies a chunk of 4 inputs into 16 outputs at once and the
+// outputs stay in separate lanes (no horizontal sums). bits 4: chunks 2i and 2i+1 share 64
+// bytes as low and high nibbles. d, m: fp16 [groups, blocks, 16] (GGUF's own fp16 scales).
+struct QWeight {
+  int64_t bits, n, k, nb, groups;
+  torch::Tensor q, d, m;
+  const uint8_t* qp;  // raw pointers, read once: data_ptr() checks types on every call
+  const uint16_t *dp, *mp;
+
+  QWeight(int64_t bits_, int64_t n_, int64_t k_, torch::Tensor q_, torch::Tensor d_,
+          torch::Tensor m_)
+      : bits(bits_), n(n_), k(k_), q(q_.contiguous()), d(d_.contiguous()), m(m_.contiguous()) {
+    TORCH_CHECK(bits == 4 || bits == 8, "weight bits must be 4 or 8");
+    TORCH_CHECK(k % kBlock == 0, "weight inputs must be a multiple of 32");
+    nb = k / kBlock;
+    groups = (n + 15) / 16;
+    TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.numel() == groups * nb * block_bytes(),
+                "packed weight has the wrong size");
+    TORCH_CHECK(d.scalar_type() == torch::kHalf && d.numel() == groups * nb * 16,
+                "scales: wrong size");
+    TORCH_CHECK(m.scalar_type() == torch::kHalf && m.numel() == groups * nb * 16,
+                "minimums: wrong size");
+    qp = q.data_ptr<uint8_t>();
+    dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  }
+  int64_t block_bytes() const { return 16 * kBlock * bits / 8; }  // one block of 16 outputs
+};
+
+// Rows of activations quantised per block of 32: q int8 [rows, k], dx [rows, nb] and
+// xs = dx * sum(q) [rows, nb].
+struct QAct {
+  int64_t rows = 0, k = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> dx, xs;
+};
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QAct& a) {
+  const int64_t nb = k / kBlock;
+  a.rows = rows;
+  a.k = k;
+  a.nb = nb;
+  a.q.resize(rows * k);  // kept between calls: no page faults per call
+  a.dx.resize(rows * nb);
+  a.xs.resize(rows * nb);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* qb = a.q.data() + r * k + b * kBlock;
+      int sum = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+        qb[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        sum += qb[i];
+      }
+      a.dx[r * nb + b] = d;
+      a.xs[r * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+inline int32_t chunk_of(const int8_t* p) {  // 4 int8 inputs as one 32-bit lane value
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r, 16g .. 16g+15] for rows [r0, r0+R): the group's weights are unpacked once per block
+// for all R rows; each (row, output) adds its blocks in order, in its own lane.
+template <int R>
+inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                       int64_t ldy) {
+#ifdef ADASPARK_AVX512
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes();
+    __m512i u[8];
+    if (w.bits == 4) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(qb + 64 * i);
+        u[2 * i] = _mm512_and_si512(v, low4);
+        u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    } else {
+      for (int i = 0; i < 8; ++i) u[i] = _mm512_loadu_si512(qb + 64 * i);
+    }
+    const int64_t at = (g * w.nb + b) * 16;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dp + at)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mp + at)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const int8_t* xb = a.q.data() + r * a.k + b * kBlock;
+      // two chains of four: vpdpbusd's latency is not the limit (integer sums are exact, so
+      // the split changes nothing in the result)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(chunk_of(xb + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(chunk_of(xb + 4 * j + 4)));
+      }
+      const __m512i s = _mm512_add_epi32(s0, s1);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+      acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
+  for (int i = 0; i < R; ++i)
+    _mm512_mask_storeu_ps(y + (r0 + i) * ldy + 16 * g, static_cast<__mmask16>((1u << valid) - 1), acc[i]);
+#else
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes() + 32 * half;
+      __m256i u[8];
+      if (w.bits == 4) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * i));
+          u[2 * i] = _mm256_and_si256(v, low4);
+          u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) u[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * i));
+      }
+      const int64_t at = (g * w.nb + b) * 16 + 8 * half;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dp + at)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mp + at)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        const int8_t* xb = a.q.data() + r * a.k + b * kBlock;
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i x = _mm256_set1_epi32(chunk_of(xb + 4 * j));
+          if (w.bits == 4) {  // u <= 15: maddubs's int16 pair sums cannot saturate
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), ones));
+          } else {  // u = 16*hi + lo, each part in 0..15, so again no saturation
+            const __m256i lo = _mm256_and_si256(u[j], low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u[j], 4), low4);
+            const __m256i sl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones);
+            const __m256i sh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), ones);
+            s = _mm256_add_epi32(s, _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 4)));
+          }
+        }
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.dx[r * a.nb + b]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
+        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+      }
+    }
+    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
+    for (int i = 0; i < R && valid > 0; ++i) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[i]);
+      std::memcpy(y + (r0 + i) * ldy + 16 * g + 8 * half, tmp, valid * 4);
+    }
+  }
+#endif
+}
+
+// y [rows, w.n] (row stride ldy) = x W^T for activations already quantised.
+void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
+  TORCH_CHECK(a.k == w.k, "activation width differs from the weight's inputs");
+  constexpr int R = 4;
+  at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t r = 0;
+      for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy);
+      switch (a.rows - r) {
+        case 3: group_rows<3>(w, a, g, r, y, ldy); break;
+        case 2: group_rows<2>(w, a, g, r, y, ldy); break;
+        case 1: group_rows<1>(w, a, g, r, y, ldy); break;
+        default: break;
+      }
+    }
+  });
+}
+
+torch::Tensor qmatmul(const QWeight& w, torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.k && x.scalar_type() == torch::kFloat,
+              "x must be float32 [rows, ", w.k, "]");
+  x = x.contiguous();
+  QAct a;
+  quantize_rows(x.data_ptr<float>(), x.size(0), w.k, a);
+  auto y = torch::empty({x.size(0), w.n}, torch::kFloat);
+  qmatmul_into(w, a, y.data_ptr<float>(), w.n);
+  return y;
+}
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
+                   float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    double ss = 0.0;  // sequential, in double: one order for every row
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float scale = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+    for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = xr[i] * scale * w[i];
+  }
+}
+
+// Attention geometry: query heads share kv heads in groups (GQA).
+struct Heads {
+  int64_t heads, kv_heads, hd;
+};
+
+// K and V rows (float, kv_heads * hd each) into their fp16 cache slot `slot` of one layer.
+inline void store_kv(const Heads& hs, const float* k, const float* v, uint16_t* kl, uint16_t* vl,
+                     int64_t slot, int64_t capacity) {
+  for (int64_t g = 0; g < hs.kv_heads; ++g) {
+    uint16_t* kd = kl + (g * capacity + slot) * hs.hd;
+    uint16_t* vd = vl + (g * capacity + slot) * hs.hd;
+    for (int64_t i = 0; i < hs.hd; i += W) {
+      vstore_h(kd + i, vload(k + g * hs.hd + i));
+      vstore_h(vd + i, vload(v + g * hs.hd + i));
+    }
+  }
+}
+
+// RoPE on adjacent pairs (x0, x1) of one head vector, cos/sin of its position.
+inline void rope_pairs(float* v, const float* cs, const float* sn, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x0 = v[2 * i], x1 = v[2 * i + 1];
+    v[2 * i] = x0 * cs[i] - x1 * sn[i];
+    v[2 * i + 1] = x1 * cs[i] + x0 * sn[i];
+  }
+}
+
+// Softmax attention, one task per (row, head), over the row's visible slots: the committed
+// ones, then its ancestors in the call in row order (parents precede children, so the i-th
+// visible slot holds position i). Every sum runs over that list in order (exp sums in W
+// lanes by index), so a row's result is the same in any call: tree, chain, step or prefill.
+void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
+            const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
+            float* out) {
+  const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<const uint16_t*> keys, values;
+    scores.resize(round_up(start + n, W));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / heads, h = t % heads, g = h / group;
+      const float* q = q_rows + r * q_stride + h * hd;
+      const uint16_t* kg = kl + g * capacity * hd;
+      const uint16_t* vg = vl + g * capacity * hd;
+      keys.clear();
+      values.clear();
+      for (int64_t j = 0; j < n; ++j) {
+        if (!anc[r * n + j]) continue;
+        keys.push_back(kg + (start + j) * hd);
+        values.push_back(vg + (start + j) * hd);
+      }
+      const int64_t m = start + static_cast<int64_t>(keys.size());
+      float* sc = scores.data();
+      for (int64_t s = 0; s < start; ++s) sc[s] = vdot_h(q, kg + s * hd, hd) * scale;
+      for (size_t i = 0; i < keys.size(); ++i) sc[start + i] = vdot_h(q, keys[i], hd) * scale;
+      vf top = vset1(-INFINITY);
+      for (int64_t s = 0; s + W <= m; s += W) top = vmax(top, vload(sc + s));
+      float mx = hmax(top);
+      for (int64_t s = m / W * W; s < m; ++s) mx = std::max(mx, sc[s]);
+      const int64_t padded = round_up(m, W);
+      for (int64_t s = m; s < padded; ++s) sc[s] = -INFINITY;
+      const vf shift = vset1(mx);
+      vf lanes = vzero();
+      for (int64_t s = 0; s < padded; s += W) {
+        const vf e = vexp(vsub(vload(sc + s), shift));  // exp(-inf - mx) clamps to ~0 ...
+        vstore(sc + s, e);
+      }
+      for (int64_t s = m; s < padded; ++s) sc[s] = 0.0f;  // ... and the padding adds nothing
+      for (int64_t s = 0; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
+      const float inv = 1.0f / vsum(lanes);
+      vf acc[kMaxHeadVectors];
+      const int64_t chunks = hd / W;
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = vzero();
+      for (int64_t s = 0; s < m; ++s) {
+        const uint16_t* v = s < start ? vg + s * hd : values[s - start];
+        const vf w = vset1(sc[s]);
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = vfma(w, vload_h(v + c * W), acc[c]);
+      }
+      float* o = out + r * heads * hd + h * hd;
+      for (int64_t c = 0; c < chunks; ++c) vstore(o + c * W, vmul(acc[c], vset1(inv)));
+    }
+  });
+}
+
+inline vf reciprocal(vf a) {
+#ifdef ADASPARK_AVX512
+  return _mm512_div_ps(vset1(1.0f), a);
+#else
+  return _mm256_div_ps(vset1(1.0f), a);
+#endif
+}
+
+// act = silu(gate) * up, gate and up side by side in each row of gu.
+void silu_mul(const float* gu, float* act, int64_t n, int64_t ffn) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = gu + r * 2 * ffn;
+    const float* u = g + ffn;
+    float* o = act + r * ffn;
+    int64_t i = 0;
+    for (; i + W <= ffn; i += W) {
+      const vf gv = vload(g + i);
+      const vf e = vexp(vmul(gv, vset1(-1.0f)));
+      vstore(o + i, vmul(vmul(gv, vload(u + i)), reciprocal(vadd(vset1(1.0f), e))));
+    }
+    for (; i < ffn; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+}  // namespace adaspark

@@ -1,0 +1,55 @@
+// The native forward: the target's forward as one native call per verify and its LM head as
+// another (target.h), the drafter's feature append and block draft (drafter.h), both on the
+// shared arithmetic of kernels.h.
+//
+// Built twice by build.py from this one translation unit: with -mavx512{f,bw,vl,vnni} (module
+// adaspark_native_avx512) and with -mavx2 -mfma (adaspark_native_avx2); native.py imports the
+// one the CPU runs. Threads come from torch's own pool (at::parallel_for), never a second
+// OpenMP runtime.
+//
+// Why it is shaped this way:
+// - Weights stay quantised (Q4_0 / Q4_1 / Q8_0 repacked by native.py into unsigned integers u
+//   with value = d*u + m per block of 32); activations are quantised per block of 32 to int8
+//   (scale dx, integer sum sx), so a block's dot is d*dx*sum(u*x) + m*dx*sx, an exact integer
+//   dot product (VNNI's vpdpbusd, or AVX2's maddubs) and two float terms. This is ggml's Q8
+//   activation arithmetic.
+// - A weight tile is loaded and unpacked once per call and used for every row of the call, so
+//   extra verify rows add arithmetic, not weight traffic.
+// - K/V are cached in fp16: attention reads half the bytes at long contexts.
+// - Every row is computed by the same instruction sequence whatever the other rows are and
+//   however many share the call (per-row accumulators, fixed reduction order, attention summed
+//   slot by slot in slot order). A row's logits and hidden states are bit-identical in a tree,
+//   a chain, a one-row decode step or a prefill chunk: speculation emits exactly plain decoding's
+//   tokens in fast precision too.
+#include "drafter.h"
+#include "target.h"
+
+using namespace adaspark;
+
+// module_local: the avx512 and avx2 builds define the same C++ types and may share a process.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") = kIsa;
+  py::class_<QWeight>(m, "QWeight", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor>(),
+           py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"))
+      .def("matmul", [](const QWeight& w, torch::Tensor x) { return qmatmul(w, x); },
+           py::call_guard<py::gil_scoped_release>())
+      .def_readonly("n", &QWeight::n)
+      .def_readonly("k", &QWeight::k);
+  py::class_<Model>(m, "Model", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
+                    torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor,
+                    torch::Tensor>())
+      .def("add_layer", &Model::add_layer)
+      .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
+      .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());
+  py::class_<Drafter>(m, "Drafter", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
+                    torch::Tensor, QWeight, torch::Tensor, torch::Tensor, torch::Tensor, QWeight,
+                    torch::Tensor, torch::Tensor, torch::Tensor, double, torch::Tensor>())
+      .def("add_layer", &Drafter::add_layer)
+      .def("append", &Drafter::append, py::call_guard<py::gil_scoped_release>())
+      .def("backbone", &Drafter::backbone, py::call_guard<py::gil_scoped_release>())
+      .def("markov", &Drafter::markov, py::call_guard<py::gil_scoped_release>())
+      .def("draft", &Drafter::draft, py::call_guard<py::gil_scoped_release>());
+}

@@ -177,3 +177,25 @@ def test_every_build_multiplies_bit_for_bit_alike(gguf):
         results = [native.pack(m, [t]).matmul(x) for m in modules]
         for got in results[1:]:
             assert torch.equal(got, results[0])
+
+
+@pytest.mark.parametrize("qtype,n,k", CASES)
+def test_amx_tiles_give_the_vnni_path_bits(qtype, n, k):
+    """Where the CPU and OS allow AMX, calls of 8 rows or more use the tiles: the same integer
+    sums and float steps as vpdpbusd, so the same bits; both near the float64 reference."""
+    module = module_for("avx512") if "avx512" in BUILDS else None
+    if module is None or not module.use_amx():
+        pytest.skip("no AMX tiles here (CPU, OS or ADASPARK_AMX=off)")
+    t = random_tensor(qtype, n, k, seed=3 * n + k)
+    w = native.pack(module, [t])
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((21, k)).astype(np.float32))
+    try:
+        for rows in (8, 16, 21):
+            tiles = w.matmul(x[:rows])
+            module.use_amx(False)
+            vnni = w.matmul(x[:rows])
+            module.use_amx(True)
+            assert torch.equal(tiles, vnni), rows
+        check_against_float64(t, x.numpy(), tiles.double().numpy())
+    finally:
+        module.use_amx(True)

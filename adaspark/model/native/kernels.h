@@ -5,12 +5,17 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -305,13 +310,163 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
 #endif
 }
 
+#ifdef ADASPARK_AVX512
+// --- AMX tiles (Sapphire Rapids and later, where the OS grants the tile state) ------------------
+//
+// One tile multiply (tdpbsud: int8 activations x uint8 weights, int32 sums) does a block of 32
+// inputs for up to 16 rows x 16 outputs. The weights' packed layout is already the B tile's
+// (8 chunks of 4 inputs x 16 outputs, 64 bytes each); 4-bit chunks are split into bytes in
+// L1 first. The integer sums equal vpdpbusd's and the float steps per (row, 16 outputs) are
+// group_rows' own, so a row comes out bit-identical on either path: which path a call takes
+// (by its row count) cannot change a row.
+
+// Whether this process may use AMX: the CPU has AMX-TILE and AMX-INT8, ADASPARK_AMX is not
+// "off", and Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM).
+inline bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1))
+      return false;
+    const char* env = std::getenv("ADASPARK_AMX");
+    if (env && std::strcmp(env, "off") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Rows at least this many go through the tiles (below, vpdpbusd is as fast).
+constexpr int64_t kAmxMinRows = 8;
+
+// Whether calls use the tiles: amx_usable() unless turned off (tests and benchmarks compare).
+inline bool& amx_on() {
+  static bool on = amx_usable();
+  return on;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0/1: sums [R rows x 16 outputs] int32 of two blocks; 2/3: activations [R x 32 bytes];
+// 4/5: weights [8 x 64 bytes]. Two blocks in flight: the tile registers are not renamed, so
+// one block at a time would wait on each multiply and each store.
+inline void amx_configure(int64_t R) {
+  TileConfig cfg;
+  for (int t = 0; t < 2; ++t) {
+    cfg.rows[t] = cfg.rows[2 + t] = static_cast<uint8_t>(R);
+    cfg.colsb[t] = 64;
+    cfg.colsb[2 + t] = kBlock;
+    cfg.rows[4 + t] = 8;
+    cfg.colsb[4 + t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The B tile of block b of group g: 4-bit weights split into bytes in `bytes` first.
+inline const void* weight_tile(const QWeight& w, int64_t g, int64_t b, uint8_t* bytes) {
+  const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes();
+  if (w.bits == 8) return qb;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(qb + 64 * i);
+    _mm512_store_si512(bytes + 128 * i, _mm512_and_si512(v, low4));
+    _mm512_store_si512(bytes + 128 * i + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+  return bytes;
+}
+
+// acc[i] += block b's contribution to row r0+i, from its integer sums (group_rows' steps).
+template <int R>
+inline void scale_block(const QWeight& w, const QAct& a, int64_t g, int64_t b, int64_t r0,
+                        const int32_t* sums, __m512* acc) {
+  const int64_t at = (g * w.nb + b) * 16;
+  const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dp + at)));
+  const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mp + at)));
+  for (int i = 0; i < R; ++i) {
+    const int64_t r = r0 + i;
+    const __m512i s = _mm512_load_si512(sums + 16 * i);
+    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+    acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+  }
+}
+
+// y[r, 16g .. 16g+15] for rows [r0, r0+R), R <= 16, tiles configured for R rows. Blocks are
+// added to each accumulator in order, as in group_rows.
+template <int R>
+void group_rows_amx(const QWeight& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                    int64_t ldy) {
+  alignas(64) uint8_t bytes[2][512];
+  alignas(64) int32_t sums[2][16 * 16];
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int8_t* x = a.q.data() + r0 * a.k;
+  int64_t b = 0;
+  for (; b + 2 <= w.nb; b += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, x + b * kBlock, a.k);
+    _tile_loadd(3, x + (b + 1) * kBlock, a.k);
+    _tile_loadd(4, weight_tile(w, g, b, bytes[0]), 64);
+    _tile_loadd(5, weight_tile(w, g, b + 1, bytes[1]), 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    scale_block<R>(w, a, g, b, r0, sums[0], acc);
+    scale_block<R>(w, a, g, b + 1, r0, sums[1], acc);
+  }
+  if (b < w.nb) {
+    _tile_zero(0);
+    _tile_loadd(2, x + b * kBlock, a.k);
+    _tile_loadd(4, weight_tile(w, g, b, bytes[0]), 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums[0], 64);
+    scale_block<R>(w, a, g, b, r0, sums[0], acc);
+  }
+  const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
+  for (int i = 0; i < R; ++i)
+    _mm512_mask_storeu_ps(y + (r0 + i) * ldy + 16 * g, static_cast<__mmask16>((1u << valid) - 1), acc[i]);
+}
+
+template <int... Rs>
+void amx_rows_dispatch(int64_t R, const QWeight& w, const QAct& a, int64_t g, int64_t r0,
+                       float* y, int64_t ldy, std::integer_sequence<int, Rs...>) {
+  ((R == Rs + 1 ? (group_rows_amx<Rs + 1>(w, a, g, r0, y, ldy), 0) : 0), ...);
+}
+
+// Rows [0, tiles*R) of every group through the tiles, R = min(rows, 16) each.
+void qmatmul_amx(const QWeight& w, const QAct& a, float* y, int64_t ldy, int64_t R,
+                 int64_t tiles) {
+  at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
+    amx_configure(R);  // tile state is per thread
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t t = 0; t < tiles; ++t)
+        amx_rows_dispatch(R, w, a, g, t * R, y, ldy, std::make_integer_sequence<int, 16>{});
+    _tile_release();
+  });
+}
+#endif
+
 // y [rows, w.n] (row stride ldy) = x W^T for activations already quantised.
 void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
   TORCH_CHECK(a.k == w.k, "activation width differs from the weight's inputs");
   constexpr int R = 4;
+  int64_t done = 0;  // rows the tiles took
+#ifdef ADASPARK_AVX512
+  if (a.rows >= kAmxMinRows && amx_on()) {
+    const int64_t tile_rows = std::min<int64_t>(a.rows, 16);
+    done = a.rows / tile_rows * tile_rows;
+    qmatmul_amx(w, a, y, ldy, tile_rows, done / tile_rows);
+  }
+#endif
+  if (done == a.rows) return;
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      int64_t r = 0;
+      int64_t r = done;
       for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy);
       switch (a.rows - r) {
         case 3: group_rows<3>(w, a, g, r, y, ldy); break;
@@ -372,60 +527,93 @@ inline void rope_pairs(float* v, const float* cs, const float* sn, int64_t half)
   }
 }
 
-// Softmax attention, one task per (row, head), over the row's visible slots: the committed
-// ones, then its ancestors in the call in row order (parents precede children, so the i-th
-// visible slot holds position i). Every sum runs over that list in order (exp sums in W
-// lanes by index), so a row's result is the same in any call: tree, chain, step or prefill.
+// Softmax attention over each query's visible slots: the committed ones, then its row's
+// ancestors in the call in row order (parents precede children, so the i-th visible slot holds
+// position i). A task takes one kv head and kQueries of the queries that share it (row-major
+// over (row, head in the group)), so each committed K/V slot is converted from fp16 once for
+// them all; every query still sums its dots, exps and weighted values in its own fixed order
+// (dots over head_dim in W lanes, then slots in order), so a row's result is the same in any
+// call: tree, chain, step or prefill.
+constexpr int kQueries = 4;
+
 void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
             const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
             float* out) {
   const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
+  const int64_t chunks = hd / W, nq = n * group, blocks = (nq + kQueries - 1) / kQueries;
+  const int64_t stride = round_up(start + n, W);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, hs.kv_heads * blocks, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scores;
-    thread_local std::vector<const uint16_t*> keys, values;
-    scores.resize(round_up(start + n, W));
+    scores.resize(kQueries * stride);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / heads, h = t % heads, g = h / group;
-      const float* q = q_rows + r * q_stride + h * hd;
+      const int64_t g = t / blocks, q0 = t % blocks * kQueries;
+      const int64_t qn = std::min<int64_t>(kQueries, nq - q0);
       const uint16_t* kg = kl + g * capacity * hd;
       const uint16_t* vg = vl + g * capacity * hd;
-      keys.clear();
-      values.clear();
-      for (int64_t j = 0; j < n; ++j) {
-        if (!anc[r * n + j]) continue;
-        keys.push_back(kg + (start + j) * hd);
-        values.push_back(vg + (start + j) * hd);
+      int64_t row[kQueries], head[kQueries], m[kQueries];
+      vf q[kQueries][kMaxHeadVectors], acc[kQueries][kMaxHeadVectors];
+      for (int i = 0; i < kQueries; ++i) {  // a short block repeats its last query, unused
+        const int64_t qi = q0 + std::min<int64_t>(i, qn - 1);
+        row[i] = qi / group;
+        head[i] = g * group + qi % group;
+        const float* qp = q_rows + row[i] * q_stride + head[i] * hd;
+        for (int64_t c = 0; c < chunks; ++c) q[i][c] = vload(qp + c * W);
       }
-      const int64_t m = start + static_cast<int64_t>(keys.size());
-      float* sc = scores.data();
-      for (int64_t s = 0; s < start; ++s) sc[s] = vdot_h(q, kg + s * hd, hd) * scale;
-      for (size_t i = 0; i < keys.size(); ++i) sc[start + i] = vdot_h(q, keys[i], hd) * scale;
-      vf top = vset1(-INFINITY);
-      for (int64_t s = 0; s + W <= m; s += W) top = vmax(top, vload(sc + s));
-      float mx = hmax(top);
-      for (int64_t s = m / W * W; s < m; ++s) mx = std::max(mx, sc[s]);
-      const int64_t padded = round_up(m, W);
-      for (int64_t s = m; s < padded; ++s) sc[s] = -INFINITY;
-      const vf shift = vset1(mx);
-      vf lanes = vzero();
-      for (int64_t s = 0; s < padded; s += W) {
-        const vf e = vexp(vsub(vload(sc + s), shift));  // exp(-inf - mx) clamps to ~0 ...
-        vstore(sc + s, e);
+      for (int64_t s = 0; s < start; ++s) {  // committed slots: one K conversion for all
+        vf k[kMaxHeadVectors];
+        for (int64_t c = 0; c < chunks; ++c) k[c] = vload_h(kg + s * hd + c * W);
+        for (int i = 0; i < kQueries; ++i) {
+          vf d = vzero();
+          for (int64_t c = 0; c < chunks; ++c) d = vfma(q[i][c], k[c], d);
+          scores[i * stride + s] = vsum(d) * scale;
+        }
       }
-      for (int64_t s = m; s < padded; ++s) sc[s] = 0.0f;  // ... and the padding adds nothing
-      for (int64_t s = 0; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
-      const float inv = 1.0f / vsum(lanes);
-      vf acc[kMaxHeadVectors];
-      const int64_t chunks = hd / W;
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = vzero();
-      for (int64_t s = 0; s < m; ++s) {
-        const uint16_t* v = s < start ? vg + s * hd : values[s - start];
-        const vf w = vset1(sc[s]);
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = vfma(w, vload_h(v + c * W), acc[c]);
+      for (int i = 0; i < kQueries; ++i) {  // the row's ancestors, then its softmax
+        float* sc = scores.data() + i * stride;
+        m[i] = start;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!anc[row[i] * n + j]) continue;
+          const uint16_t* kj = kg + (start + j) * hd;
+          vf d = vzero();
+          for (int64_t c = 0; c < chunks; ++c) d = vfma(q[i][c], vload_h(kj + c * W), d);
+          sc[m[i]++] = vsum(d) * scale;
+        }
+        vf top = vset1(-INFINITY);
+        for (int64_t s = 0; s + W <= m[i]; s += W) top = vmax(top, vload(sc + s));
+        float mx = hmax(top);
+        for (int64_t s = m[i] / W * W; s < m[i]; ++s) mx = std::max(mx, sc[s]);
+        const int64_t padded = round_up(m[i], W);
+        for (int64_t s = m[i]; s < padded; ++s) sc[s] = -INFINITY;
+        const vf shift = vset1(mx);
+        for (int64_t s = 0; s < padded; s += W)  // exp(-inf - mx) clamps to ~0 ...
+          vstore(sc + s, vexp(vsub(vload(sc + s), shift)));
+        for (int64_t s = m[i]; s < padded; ++s) sc[s] = 0.0f;  // ... and the padding adds nothing
+        vf lanes = vzero();
+        for (int64_t s = 0; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
+        q[i][0] = vset1(1.0f / vsum(lanes));  // the query is spent: keep 1/sum in its place
+        for (int64_t c = 0; c < chunks; ++c) acc[i][c] = vzero();
       }
-      float* o = out + r * heads * hd + h * hd;
-      for (int64_t c = 0; c < chunks; ++c) vstore(o + c * W, vmul(acc[c], vset1(inv)));
+      for (int64_t s = 0; s < start; ++s) {  // committed values: one V conversion for all
+        vf v[kMaxHeadVectors];
+        for (int64_t c = 0; c < chunks; ++c) v[c] = vload_h(vg + s * hd + c * W);
+        for (int i = 0; i < kQueries; ++i) {
+          const vf w = vset1(scores[i * stride + s]);
+          for (int64_t c = 0; c < chunks; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < qn; ++i) {
+        const float* sc = scores.data() + i * stride;
+        int64_t s = start;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!anc[row[i] * n + j]) continue;
+          const uint16_t* vj = vg + (start + j) * hd;
+          const vf w = vset1(sc[s++]);
+          for (int64_t c = 0; c < chunks; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
+        }
+        float* o = out + row[i] * heads * hd + head[i] * hd;
+        for (int64_t c = 0; c < chunks; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
+      }
     }
   });
 }

@@ -21,6 +21,8 @@
 //   slot by slot in slot order). A row's logits and hidden states are bit-identical in a tree,
 //   a chain, a one-row decode step or a prefill chunk: speculation emits exactly plain decoding's
 //   tokens in fast precision too.
+#include <optional>
+
 #include "drafter.h"
 #include "target.h"
 
@@ -29,6 +31,16 @@ using namespace adaspark;
 // module_local: the avx512 and avx2 builds define the same C++ types and may share a process.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = kIsa;
+  // use_amx(): whether calls use AMX tiles; use_amx(False/True) turns them off / back on where
+  // usable. The avx2 build has no tiles.
+  m.def("use_amx", [](std::optional<bool> on) {
+#ifdef ADASPARK_AVX512
+    if (on) amx_on() = *on && amx_usable();
+    return amx_on();
+#else
+    return false;
+#endif
+  }, py::arg("on") = py::none());
   py::class_<QWeight>(m, "QWeight", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor>(),
            py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"))

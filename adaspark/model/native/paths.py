@@ -9,7 +9,10 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "module.cpp"  # one translation unit: it includes the headers beside it
 BUILD_DIR = HERE / "_build"
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"],
+    # AMX intrinsics compile into the avx512 build; kernels.h runs them only where cpuid and the
+    # OS allow (nothing else in the build may use them, so the build still runs without AMX)
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
+               "-mamx-tile", "-mamx-int8"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 PREFERENCE = ("avx512", "avx2")  # best first

@@ -160,17 +160,26 @@ class Drafter:
         """Draft the B tokens after `anchor`, which sits at position self.length. noise: [B,
         V_d] added to the backbone logits first (sampling: the target's Gumbel noise times T),
         so the picks and candidates are the perturbed ones."""
-        m, cache, B = self.model, self.cache, self.block_size
-        n = cache.length
-        cache._grow(n + B)  # the block's own K/V use the slots past the committed prefix
+        cache = self.cache
+        cache._grow(cache.length + self.block_size)  # the block's K/V: slots past the prefix
         anchor_t = torch.tensor([anchor])
         if self.native is not None:
-            picks, top_i, top_v, conf = self.native.draft(
-                cache.k, cache.v, self.embed(anchor_t)[0].float(), n, int(m.to_draft(anchor_t)),
-                self.shortlist, self.topk, torch.empty(0) if noise is None else noise.float())
-            ids = m.draft_ids.numpy()
-            return DraftBlock(picks=ids[picks.numpy()], topk_ids=ids[top_i.numpy()],
-                              topk_logits=top_v.numpy(), head=conf.numpy())
+            return self._draft_native(anchor_t, noise)
+        return self._draft_torch(anchor_t, noise)
+
+    def _draft_native(self, anchor_t: torch.Tensor, noise: torch.Tensor | None) -> DraftBlock:
+        m, cache = self.model, self._cache
+        picks, top_i, top_v, conf = self.native.draft(
+            cache.k, cache.v, self.embed(anchor_t)[0].float(), cache.length,
+            int(m.to_draft(anchor_t)), self.shortlist, self.topk,
+            torch.empty(0) if noise is None else noise.float())
+        ids = m.draft_ids.numpy()
+        return DraftBlock(picks=ids[picks.numpy()], topk_ids=ids[top_i.numpy()],
+                          topk_logits=top_v.numpy(), head=conf.numpy())
+
+    def _draft_torch(self, anchor_t: torch.Tensor, noise: torch.Tensor | None) -> DraftBlock:
+        m, cache, B = self.model, self._cache, self.block_size
+        n = cache.length
         x = m.block_rows(self.embed(anchor_t)[0].to(self.dtype))
         pos = torch.arange(n, n + B)
         for layer, k_buf, v_buf in zip(m.layers, cache.k, cache.v, strict=True):

@@ -272,8 +272,8 @@ class Transformer:
                               "ffn_down")] + [head]
         if module is None or not native.packable([w.raw(n) for n in names]):
             return None, why or "weight types the native forward does not pack"
-        if c.head_dim % 16 or c.dim % 16:
-            return None, "head_dim and dim must be multiples of 16 for the native forward"
+        if c.head_dim not in (32, 64, 128) or c.dim % 16:  # attention's register blocking
+            return None, "the native forward needs head_dim 32, 64 or 128 and dim a multiple of 16"
         head_f32 = (self.tok_embeddings if head == "token_embd.weight"
                     else torch.from_numpy(w.raw(head).dequantize()))
         model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,

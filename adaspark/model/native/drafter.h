@@ -33,8 +33,8 @@ class Drafter {
         out_norm_(out_norm.contiguous()), head_(std::move(head)), w1_(w1.contiguous()),
         w2_(w2.contiguous()), conf_(confidence.contiguous()),
         conf_bias_(static_cast<float>(confidence_bias)), temp_(temperature.contiguous()) {
-    TORCH_CHECK(head_dim % W == 0 && dim % W == 0 && head_dim / W <= kMaxHeadVectors,
-                "head_dim and dim must be multiples of ", W);
+    TORCH_CHECK(attend_takes(head_dim) && dim % W == 0,
+                "head_dim must be 2, 4, 8 or 16 times ", W, " and dim a multiple of ", W);
     TORCH_CHECK(n_heads % n_kv_heads == 0, "heads must be a multiple of kv heads");
     TORCH_CHECK(w1_.dim() == 2 && w2_.dim() == 2 && w1_.size(1) == w2_.size(1) &&
                     w2_.size(0) == head_.n && w1_.size(0) == head_.n + 1,

@@ -32,7 +32,6 @@ namespace adaspark {
 
 
 constexpr int kBlock = 32;  // inputs per quantisation block
-constexpr int kMaxHeadVectors = 16;  // head_dim up to 16 vectors (256 floats on AVX-512)
 
 // --- float vectors: one set of names for both builds ---------------------------------------------
 
@@ -527,57 +526,125 @@ inline void rope_pairs(float* v, const float* cs, const float* sn, int64_t half)
   }
 }
 
+// W dot products at once: p[j] holds slot j's lane-wise partial sums; lane j of the result is
+// their total, by one fixed tree per slot (pairs inside each 128-bit lane, then across lanes)
+// whatever the other slots are.
+#ifdef ADASPARK_AVX512
+inline vf sum_lanes(const vf* p) {
+  vf a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * j], p[2 * j + 1]),
+                         _mm512_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int j = 0; j < 2; ++j)  // 128-bit lanes (0,1) and (2,3) of each b
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#else
+inline vf sum_lanes(const vf* p) {
+  vf a[4], b[2];
+  for (int j = 0; j < 4; ++j)
+    a[j] = _mm256_add_ps(_mm256_unpacklo_ps(p[2 * j], p[2 * j + 1]),
+                         _mm256_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 2; ++j) {
+    const __m256d x = _mm256_castps_pd(a[2 * j]), y = _mm256_castps_pd(a[2 * j + 1]);
+    b[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                       _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+#endif
+
 // Softmax attention over each query's visible slots: the committed ones, then its row's
 // ancestors in the call in row order (parents precede children, so the i-th visible slot holds
 // position i). A task takes one kv head and kQueries of the queries that share it (row-major
 // over (row, head in the group)), so each committed K/V slot is converted from fp16 once for
-// them all; every query still sums its dots, exps and weighted values in its own fixed order
-// (dots over head_dim in W lanes, then slots in order), so a row's result is the same in any
-// call: tree, chain, step or prefill.
+// them all. Scores come W slots at a time (sum_lanes); every query sums its dots, exps and
+// weighted values in one fixed order per slot, so a row's result is the same in any call:
+// tree, chain, step or prefill. C: head_dim / W, a constant so accumulators stay in registers.
 constexpr int kQueries = 4;
 
-void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
-            const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
-            float* out) {
+// Whether attend() takes this head_dim: 2, 4, 8 or 16 vectors.
+inline bool attend_takes(int64_t hd) {
+  const int64_t c = hd / W;
+  return hd % W == 0 && (c == 2 || c == 4 || c == 8 || c == 16);
+}
+
+template <int C>
+void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
+              const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
+              float* out) {
   const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
-  const int64_t chunks = hd / W, nq = n * group, blocks = (nq + kQueries - 1) / kQueries;
+  const int64_t nq = n * group, blocks = (nq + kQueries - 1) / kQueries;
   const int64_t stride = round_up(start + n, W);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, hs.kv_heads * blocks, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scores;
     scores.resize(kQueries * stride);
+    alignas(64) float keys[W][C * W];  // W slots' keys in float32
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / blocks, q0 = t % blocks * kQueries;
       const int64_t qn = std::min<int64_t>(kQueries, nq - q0);
       const uint16_t* kg = kl + g * capacity * hd;
       const uint16_t* vg = vl + g * capacity * hd;
       int64_t row[kQueries], head[kQueries], m[kQueries];
-      vf q[kQueries][kMaxHeadVectors], acc[kQueries][kMaxHeadVectors];
+      vf q[kQueries][C], acc[kQueries][C];
       for (int i = 0; i < kQueries; ++i) {  // a short block repeats its last query, unused
         const int64_t qi = q0 + std::min<int64_t>(i, qn - 1);
         row[i] = qi / group;
         head[i] = g * group + qi % group;
         const float* qp = q_rows + row[i] * q_stride + head[i] * hd;
-        for (int64_t c = 0; c < chunks; ++c) q[i][c] = vload(qp + c * W);
+        for (int c = 0; c < C; ++c) q[i][c] = vload(qp + c * W);
       }
-      for (int64_t s = 0; s < start; ++s) {  // committed slots: one K conversion for all
-        vf k[kMaxHeadVectors];
-        for (int64_t c = 0; c < chunks; ++c) k[c] = vload_h(kg + s * hd + c * W);
-        for (int i = 0; i < kQueries; ++i) {
-          vf d = vzero();
-          for (int64_t c = 0; c < chunks; ++c) d = vfma(q[i][c], k[c], d);
-          scores[i * stride + s] = vsum(d) * scale;
+      // scores of W visible slots [s0, s0 + count) whose keys are in `keys`, for query i
+      auto score = [&](int i, int64_t s0) {
+        vf p[W];
+        for (int j = 0; j < W; ++j) {
+          vf d = vmul(q[i][0], vload(keys[j]));
+          for (int c = 1; c < C; ++c) d = vfma(q[i][c], vload(keys[j] + c * W), d);
+          p[j] = d;
         }
+        vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
+      };
+      auto load_keys = [&](const uint16_t* const* ks, int64_t count) {
+        for (int j = 0; j < W; ++j)
+          for (int c = 0; c < C; ++c)
+            vstore(keys[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
+      };
+      const uint16_t* ks[W];
+      for (int64_t s0 = 0; s0 < start; s0 += W) {  // committed slots: shared by the queries
+        const int64_t count = std::min<int64_t>(W, start - s0);
+        for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
+        load_keys(ks, count);
+        for (int i = 0; i < kQueries; ++i) score(i, s0);
       }
       for (int i = 0; i < kQueries; ++i) {  // the row's ancestors, then its softmax
         float* sc = scores.data() + i * stride;
+        // the committed tail of a partial group is recomputed with the ancestors after it
+        int64_t s0 = start / W * W, count = start - s0;
+        for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
         m[i] = start;
         for (int64_t j = 0; j < n; ++j) {
           if (!anc[row[i] * n + j]) continue;
-          const uint16_t* kj = kg + (start + j) * hd;
-          vf d = vzero();
-          for (int64_t c = 0; c < chunks; ++c) d = vfma(q[i][c], vload_h(kj + c * W), d);
-          sc[m[i]++] = vsum(d) * scale;
+          ks[count++] = kg + (start + j) * hd;
+          ++m[i];
+          if (count == W) {
+            load_keys(ks, count);
+            score(i, s0);
+            s0 += W;
+            count = 0;
+          }
+        }
+        if (count) {
+          load_keys(ks, count);
+          score(i, s0);
         }
         vf top = vset1(-INFINITY);
         for (int64_t s = 0; s + W <= m[i]; s += W) top = vmax(top, vload(sc + s));
@@ -592,14 +659,14 @@ void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16
         vf lanes = vzero();
         for (int64_t s = 0; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
         q[i][0] = vset1(1.0f / vsum(lanes));  // the query is spent: keep 1/sum in its place
-        for (int64_t c = 0; c < chunks; ++c) acc[i][c] = vzero();
+        for (int c = 0; c < C; ++c) acc[i][c] = vzero();
       }
       for (int64_t s = 0; s < start; ++s) {  // committed values: one V conversion for all
-        vf v[kMaxHeadVectors];
-        for (int64_t c = 0; c < chunks; ++c) v[c] = vload_h(vg + s * hd + c * W);
+        vf v[C];
+        for (int c = 0; c < C; ++c) v[c] = vload_h(vg + s * hd + c * W);
         for (int i = 0; i < kQueries; ++i) {
           const vf w = vset1(scores[i * stride + s]);
-          for (int64_t c = 0; c < chunks; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
+          for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
         }
       }
       for (int i = 0; i < qn; ++i) {
@@ -609,13 +676,25 @@ void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16
           if (!anc[row[i] * n + j]) continue;
           const uint16_t* vj = vg + (start + j) * hd;
           const vf w = vset1(sc[s++]);
-          for (int64_t c = 0; c < chunks; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
+          for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
         }
         float* o = out + row[i] * heads * hd + head[i] * hd;
-        for (int64_t c = 0; c < chunks; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
+        for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
       }
     }
   });
+}
+
+void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
+            const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
+            float* out) {
+  switch (hs.hd / W) {
+    case 2: return attend_c<2>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
+    case 4: return attend_c<4>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
+    case 8: return attend_c<8>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
+    case 16: return attend_c<16>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
+    default: TORCH_CHECK(false, "head_dim must be 2, 4, 8 or 16 vectors");
+  }
 }
 
 inline vf reciprocal(vf a) {

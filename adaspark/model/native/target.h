@@ -21,8 +21,8 @@ class Model {
         head_f32_(head_f32.contiguous()), head_bounds_(head_bounds.contiguous()) {
     TORCH_CHECK(head_bounds_.scalar_type() == torch::kFloat && head_bounds_.numel() == 2 * head_.nb,
                 "head_bounds must be float32 [2, blocks]");
-    TORCH_CHECK(hd_ % W == 0 && dim_ % W == 0 && hd_ / W <= kMaxHeadVectors,
-                "head_dim and dim must be multiples of ", W, ", head_dim at most ", W * kMaxHeadVectors);
+    TORCH_CHECK(attend_takes(hd_) && dim_ % W == 0,
+                "head_dim must be 2, 4, 8 or 16 times ", W, " and dim a multiple of ", W);
     TORCH_CHECK(heads_ % kv_heads_ == 0, "heads must be a multiple of kv heads");
   }
 

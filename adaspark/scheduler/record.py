@@ -59,6 +59,9 @@ class ChosenBy(str, Enum):
         return self.value
 
 
+ROUND_KINDS = ("drafted", "ngram", "plain")  # RoundRecord.kind
+
+
 @dataclass(frozen=True)
 class RoundTimes:
     """A round's timed parts in seconds (speculative.py says what each covers)."""
@@ -107,6 +110,13 @@ class RoundRecord:
     @property
     def plain(self) -> bool:
         return self.chosen_by is ChosenBy.PLAIN
+
+    @property
+    def kind(self) -> str:
+        """drafted (the drafter ran), ngram (the gate's n-gram tree alone) or plain (one row)."""
+        if self.plain:
+            return "plain"
+        return "drafted" if self.drafted else "ngram"
 
     def to_json(self) -> dict:
         """The round-log line: every field, plus `cold` and `plain`; row splits only for trees."""

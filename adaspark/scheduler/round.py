@@ -128,6 +128,11 @@ class Arm:
             arm = replace(arm, **switches[mod])
         return replace(arm, name=",".join([base, *mods]))
 
+    def at_width(self, width: int) -> Arm:
+        """This arm pinned to `width` (its base at :width, its modifiers kept): the sweep's."""
+        base, *mods = self.name.split(",")
+        return Arm.parse(",".join([f"{base.partition(':')[0]}:{int(width)}", *mods]))
+
 
 @dataclass
 class Plan:

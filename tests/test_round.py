@@ -6,10 +6,14 @@ import numpy as np
 import pytest
 
 from adaspark.errors import UserError
-from adaspark.scheduler import Arm, Scheduler
+from adaspark.scheduler import Arm, Scheduler, driver
 from adaspark.scheduler.record import RoundRecord, RoundTimes
+from adaspark.scheduler.round import KERNEL_CLASSES
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import NGRAM, Block
+from adaspark.sim.curves import load_curve
+from adaspark.sim.process import EOS, World
+from adaspark.sim.run import SimTarget
 
 PROMPT = [5, 6, 7, 8]
 
@@ -170,6 +174,64 @@ def test_arm_parse():
     for bad in ("tree", "foo", "adaspark,bogus", "adaspark:0", "chain:4", "tree:x"):
         with pytest.raises(UserError):
             Arm.parse(bad)
+
+
+def test_arm_parse_takes_both_spellings_and_pins_with_modifiers():
+    """The bench's `adaspark+gate` and the engine's `adaspark,gate` are one arm, one name."""
+    plus, comma = Arm.parse("adaspark+gate+plain"), Arm.parse("adaspark, gate,plain")
+    assert plus == comma and plus.name == "adaspark,gate,plain" and plus.gate
+    assert Arm.parse(plus) is plus
+    pinned = plus.at_width(8)
+    assert pinned.pinned == 8 and pinned.gate and pinned.name == "adaspark:8,gate,plain"
+    assert Arm.parse("adaspark:4").at_width(16).name == "adaspark:16"
+    with pytest.raises(UserError):
+        Arm.parse("adaspark+bogus")
+
+
+def test_classes_arm_offers_only_the_kernel_row_classes():
+    """Modifier `classes` (Table 9): the width table is the kernel's row classes, never split."""
+    world = World(3)
+    widths = {}
+    for arm in ("adaspark", "adaspark+classes"):
+        sched = Scheduler(arm)
+        assert sched.cost.widths == (list(KERNEL_CLASSES) if arm.endswith("classes")
+                                     else [2, 4, 8, 16, 32, 64])
+        sim = SimTarget(load_curve("int8-dense"), world, world.request(0))
+        sched.begin_request(sim.req.stream[: sim.context])
+        while sim.context < sim.end:
+            r = driver.run_round(sched, sim, sim.context, (EOS,))
+            sim.context += len(r.committed.emitted)
+            sim.k += 1
+        widths[arm] = sched.cost.widths
+    assert len(widths["adaspark"]) > 6  # the learned table split; the kernel's did not
+    # (the drafter's reach may cap the widest class, as on any arm)
+    assert set(widths["adaspark+classes"]) <= set(KERNEL_CLASSES) | {sched.cost.reach}
+    assert len(widths["adaspark+classes"]) <= len(KERNEL_CLASSES)
+
+
+def test_the_driver_runs_the_engine_and_the_simulator():
+    """One run_round: the engine's and the simulator's targets are driver Targets, and a round
+    through it equals plan_round -> accept -> learn done by hand."""
+    from adaspark import speculative
+    from adaspark.sim import run as sim_run
+
+    assert speculative.run_round is driver.run_round is sim_run.run_round
+    assert issubclass(speculative._EngineTarget, driver.Target)
+    assert issubclass(SimTarget, driver.Target)
+    world = World(1)
+    by_hand, driven = Scheduler("adaspark,gate"), Scheduler("adaspark,gate")
+    sim = SimTarget(load_curve("int8-dense"), world, world.request(0))
+    for sched in (by_hand, driven):
+        sched.begin_request(sim.req.stream[: sim.context])
+    for _ in range(40):
+        r = driver.run_round(driven, sim, sim.context, (EOS,))
+        plan = by_hand.plan_round(sim.context, sim.draft, (EOS,))
+        outcome = by_hand.accept(plan, sim.verify(plan))
+        record = by_hand.learn(outcome, r.times, last_round=r.committed.done)
+        assert np.array_equal(plan.tokens, r.plan.tokens) and outcome.rows == r.outcome.rows
+        assert record == r.record
+        sim.context += len(r.committed.emitted)
+        sim.k += 1
 
 
 def test_state_round_trips_through_the_store(tmp_path):

@@ -130,6 +130,19 @@ def test_sim_command(capsys):
     assert main(["sim", "--curve", "moe", "--widths", "0,8"]) == 2
 
 
+def test_sim_gate_arm_simulates_ngram_rounds_and_counts_rounds_by_kind(capsys):
+    """`adaspark sim --arm adaspark,gate` plans the gate's n-gram trees as the engine does."""
+    assert main(["sim", "--curve", "int8-dense", "--arm", "adaspark+gate", "--requests", "4",
+                 "--widths", "8", "--workers", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kinds = out["rounds_by_kind"]
+    assert set(kinds) == {"drafted", "ngram", "plain"} and sum(kinds.values()) == out["rounds"]
+    assert kinds["ngram"] > 0 and kinds["drafted"] > 0
+    assert main(["sim", "--curve", "moe", "--requests", "1", "--widths", "4", "--json"]) == 0
+    plain_arm = json.loads(capsys.readouterr().out)["rounds_by_kind"]
+    assert plain_arm["ngram"] == 0 and plain_arm["drafted"] > 0  # no gate: always drafts
+
+
 def test_a_round_log_replays_as_the_curve_it_measured(tmp_path):
     """Rounds logged on a known curve (noise included) rebuild that curve at the logged widths:
     the log's records are what Scheduler.learn returns, written one JSON object per line."""

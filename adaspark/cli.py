@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"adaspark.commands.{commands[name][0]}")
     cmd_parser = argparse.ArgumentParser(prog=f"adaspark {name}", description=commands[name][1])
     module.configure(cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
+    try:  # a bad option (an unknown --arm among them) is argparse's exit 2, returned
+        args = cmd_parser.parse_args(argv[1:])
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
     try:
         return int(module.run(args) or 0)
     except UserError as err:

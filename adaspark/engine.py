@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import StreamDecoder, Tokenizer
+from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler, SamplingParams
-from adaspark.scheduler.round import Arm
+from adaspark.scheduler.record import RoundRecord
 from adaspark.speculative import Speculator, load_speculator
 
 TextCallback = Callable[[str], None]
@@ -50,6 +52,17 @@ class Timing:
     ngram_rounds: int = 0
     verified_rows: int = 0  # target rows verified, over all rounds
     accepted_tokens: int = 0  # drafted tokens the reply took (bonus tokens excluded)
+
+    def count_round(self, record: RoundRecord, emitted: int) -> None:
+        """One speculative round; emitted: the tokens the reply took of it."""
+        if record.plain:
+            self.plain_rounds += 1
+        elif record.drafted:
+            self.draft_rounds += 1
+        else:
+            self.ngram_rounds += 1
+        self.verified_rows += record.rows
+        self.accepted_tokens += min(record.accepted, emitted)
 
     @property
     def decode_tok_s(self) -> float:
@@ -179,33 +192,27 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.speculator = speculator  # None: plain decoding (the `ar` arm)
-        self._cached_ids: list[int] = []  # the tokens whose K/V sit in target.cache
+        # the tokens whose K/V sit in target.cache (and the drafter's): their one owner
+        self.cache = CachedTokens(target, speculator.drafter if speculator else None)
 
     @classmethod
-    def load(cls, model: str | Path | None = None, precision: str = "fast",
-             device: str = "cpu", max_context: int | None = None, arm: str | None = None,
-             drafter: str | Path | None = None, store: str | Path | None = None,
-             fresh: bool = False, round_log: str | Path | None = None) -> Engine:
-        """Engine for `model` (a GGUF path; None = the embedded default). arm: ar, chain3, chain,
-        tree:N, cost, adaspark[:N], modifiers after commas (None: speculative.DEFAULT_ARM when a
-        drafter exists for the model, else ar);
-        drafter: a checkpoint directory (None: the shipped one); store: the learned store's
-        directory (None: the user cache); fresh: start from an empty store; round_log: a JSONL
-        file that gets one line per decode round (see speculative.py)."""
+    def load(cls, model: str | Path | None = None, options: ModelOptions | None = None, *,
+             max_context: int | None = None, **changes) -> Engine:
+        """Engine for `model` (a GGUF path; None: options.model, else the embedded default)
+        with `options` (options.py), any field of which `changes` may set (arm="ar")."""
         from adaspark.model.gguf import read_gguf
         from adaspark.model.transformer import Transformer
 
-        if arm is not None:
-            Arm.parse(arm)  # a misspelt arm fails before the model loads
-        path = resolve_model(model)
+        options = (options or ModelOptions()).but(**changes)  # a misspelt arm fails here
+        path = resolve_model(model if model is not None else options.model)
         gguf = read_gguf(path)  # parsed once, for the weights and the tokenizer
-        target = Transformer(gguf, precision=precision, device=device, max_context=max_context)
+        target = Transformer(gguf, precision=options.precision, device=options.device,
+                             max_context=max_context)
         if target.native_note:  # one line: the engine runs, more slowly
             print(f"adaspark: native forward not used ({target.native_note}); "
                   "the torch path runs", file=sys.stderr)
         tokenizer = Tokenizer.from_gguf(gguf)
-        speculator = load_speculator(target, path, tokenizer.stop_ids, arm=arm, drafter=drafter,
-                                     store=store, fresh=fresh, round_log=round_log)
+        speculator = load_speculator(target, path, tokenizer.stop_ids, options)
         return cls(target, tokenizer, path, speculator)
 
     @property
@@ -215,10 +222,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the conversation (the next request prefills from scratch)."""
-        self.target.reset()
-        if self.speculator is not None:
-            self.speculator.reset()
-        self._cached_ids = []
+        self.cache.reset()
 
     def generate(self, prompt: Sequence[Mapping[str, Any]] | Sequence[int], *,
                  tools: Sequence[Mapping[str, Any]] | None = None, max_tokens: int = 256,
@@ -274,14 +278,11 @@ class Engine:
 
     def _prefill(self, prompt: list[int], timing: Timing, sampler: Sampler | None = None) -> int:
         """Bring the cache to `prompt`, reusing the shared prefix; returns the first reply token."""
-        if self.target.cache.length != len(self._cached_ids):
-            self._cached_ids = []  # someone else moved the target's cache: trust none of it
         # At least the last prompt token is run again: its logits give the first reply token.
-        keep = min(common_prefix(self._cached_ids, prompt), len(prompt) - 1)
+        keep = min(common_prefix(self.cache.trusted_prefix(), prompt), len(prompt) - 1)
         start = time.perf_counter()
-        try:
-            self.target.truncate(keep)
-            self._cached_ids = self._cached_ids[:keep]
+        with self.cache.guard():  # the cache may hold part of the prompt: start the next clean
+            self.cache.keep(keep)
             logits = sampler is not None
             if self.speculator is None:
                 out = self.target.prefill(prompt[keep:], return_logits=logits)
@@ -289,9 +290,8 @@ class Engine:
                 out = self.target.prefill(prompt[keep:], tap_layers=self.speculator.tap_layers,
                                           return_logits=logits)
                 self.speculator.after_prefill(keep, out.hiddens)
-        except BaseException:
-            self.reset()  # the cache may hold part of the prompt: start the next request clean
-            raise
+            self.cache.prefilled(prompt)
+            self.cache.check()
         if sampler is None:
             first = int(out.argmax[-1])
         else:  # the first reply token sits at position len(prompt)
@@ -300,7 +300,6 @@ class Engine:
             sampler.record(x[0], first)
         timing.prefill_s = time.perf_counter() - start
         timing.reused_tokens = keep
-        self._cached_ids = list(prompt)
         return first
 
     def _decode_plain(self, token: int, reply: Reply, timing: Timing,
@@ -310,7 +309,7 @@ class Engine:
         while not reply.push(token):
             if sampler is not None:
                 sampler.observe(token)
-            if len(self._cached_ids) >= self.context_length:
+            if len(self.cache) >= self.context_length:
                 reply.end("length")
                 break
             if should_stop is not None and should_stop():
@@ -319,11 +318,11 @@ class Engine:
             out = self.target.verify([token], [0], _ONE_ROW_MASK,
                                      return_logits=sampler is not None)
             self.target.commit([0])
-            self._cached_ids.append(token)
+            self.cache.commit([token])
             if sampler is None:
                 token = int(out.argmax[0])
-            else:  # the row sits at len(cached_ids) - 1; its pick one position later
-                picks, x = sampler.sample(out.logits, [len(self._cached_ids)])
+            else:  # the row sits at len(cache) - 1; its pick one position later
+                picks, x = sampler.sample(out.logits, [len(self.cache)])
                 token = int(picks[0])
                 sampler.record(x[0], token)
             timing.decode_tokens += 1
@@ -335,13 +334,8 @@ class Engine:
                             should_stop: StopRequest | None, request_id: str | None,
                             sampler: Sampler | None = None) -> None:
         """Algorithm 1's rounds (speculative.py); the same Reply applies every stop."""
-        counts = self.speculator.decode(token, reply, self._cached_ids, self.context_length,
-                                        should_stop, request_id, sampler)
-        timing.decode_s = counts.decode_s  # the store is saved after the reply, untimed
+        self.speculator.decode(token, reply, self.cache, self.context_length, timing,
+                               should_stop, request_id, sampler)
         # tokens produced after the first, as plain decoding counts them (a stop token included)
         produced = len(reply.token_ids) + (reply.stop_token_id is not None)
         timing.decode_tokens = max(0, produced - 1)
-        timing.draft_rounds, timing.plain_rounds = counts.draft_rounds, counts.plain_rounds
-        timing.ngram_rounds = counts.ngram_rounds
-        timing.verified_rows, timing.accepted_tokens = counts.verified_rows, \
-            counts.accepted_tokens

@@ -6,21 +6,21 @@ verify of those rows → the accept walk → the reply takes the accepted tokens
 one (so a stop inside the path cuts it exactly) → the target and drafter caches commit the rows
 whose tokens the reply kept → the scheduler learns from the measured times.
 
-Timed parts (time.perf_counter), as the scheduler and the round log define them:
-  D       drafter forward + plan (candidates, q, order, width, layout); not verify or commit
-  verify  the target's forward over the planned rows (argmax copied to the host)
-  commit  the accept walk + the target and drafter cache commits
-A plain round (the scheduler's width 1, arm switch `plain`) skips the drafter: D is the plan alone.
+The round itself is scheduler/driver.py's `run_round` (the simulator and the overhead benchmark
+run the same one); this module is its Target on the engine: the drafter's forward, the target's
+verify, the reply and the cache commits. The driver defines the timed parts (D, verify, commit);
+a plain round skips the drafter, so its D is the plan alone.
 
 Sampling (sampling.py): a verified row's pick is its position-keyed Gumbel-max token instead of
 its argmax, made only for the rows on the path the accept walk takes (timed with the verify), and
 the accept walk runs on those picks unchanged. The drafter may draft on the same noise
 (`shared_noise`), so that its picks predict the perturbed target argmax, not the target's mode.
 
-Cache invariant, checked after every round: drafter.length == target.cache.length ==
-len(cached_ids). A token that ends the reply (stop token, the token completing a stop string, the
-max-tokens-th token) is never committed, exactly as in plain decoding, so the next turn's prefix
-reuse sees the same cache whichever arm produced the reply.
+Cache invariant, checked after every round by cached.CachedTokens (its one owner):
+drafter.length == target.cache.length == len(cache.ids). A token that ends the reply (stop
+token, the token completing a stop string, the max-tokens-th token) is never committed, exactly
+as in plain decoding, so the next turn's prefix reuse sees the same cache whichever arm produced
+the reply.
 """
 
 from __future__ import annotations
@@ -31,15 +31,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
+from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler
+from adaspark.scheduler.driver import Committed, Target, run_round
 from adaspark.scheduler.round import Arm, Outcome, Plan, Scheduler
 from adaspark.scheduler.store import Store
-from adaspark.scheduler.tree import NGRAM, Block
+from adaspark.scheduler.tree import Block
+
+if TYPE_CHECKING:
+    from adaspark.engine import Timing
 
 _log = logging.getLogger(__name__)
 
@@ -57,41 +63,6 @@ class RoundTrace:
 
 
 RoundHook = Callable[[RoundTrace], None]
-
-
-@dataclass
-class RoundCounts:
-    """Per-reply round statistics (the engine copies them into its Timing)."""
-
-    draft_rounds: int = 0
-    plain_rounds: int = 0
-    ngram_rounds: int = 0  # tree rounds from the n-gram index alone (the draft gate)
-    verified_rows: int = 0
-    accepted_tokens: int = 0  # drafted tokens the reply took (bonus tokens excluded)
-    decode_s: float = 0.0  # the rounds, without the request's end (refit, store save)
-
-
-def round_record(record: dict, plan: Plan, arm: str, request: str | None) -> dict:
-    """The scheduler's learn() record in the round-log schema of adaspark/bench/rounds.py."""
-    out = {
-        "arm": arm, "request": request, "ctx": record["context"],
-        "width_offered": plan.width_offered, "width": plan.width_chosen, "rows": plan.rows,
-        "accepted": record["accepted"], "accepted_drafter": record["accepted_drafter"],
-        "accepted_ngram": record["accepted_ngram"], "agreed": record["accepted_agreed"],
-        "D": record["fixed_s"], "verify": record["verify_s"], "commit": record["commit_s"],
-        "pred_S": None if plan.chosen_by == "plain" else plan.predicted_S,
-        "pred_T": plan.predicted_T_s, "cold": plan.chosen_by == "probe",
-        "plain": plan.chosen_by == "plain", "chosen_by": plan.chosen_by,
-        "drafted": plan.drafted, "gate_bucket": record["gate_bucket"],
-    }
-    if plan._tree is not None and plan._layout is not None:
-        nodes = plan._layout.nodes[1:]
-        ngram = plan._tree.kind[nodes] == NGRAM
-        agreed = ~ngram & (plan._tree.agreed_bucket[nodes] >= 0)
-        out["rows_ngram"] = int(ngram.sum())
-        out["rows_agreed"] = int(agreed.sum())
-        out["rows_drafter"] = int(nodes.size - ngram.sum() - agreed.sum())
-    return out
 
 
 def sample_path(sampler: Sampler, logits: Any, plan: Plan, start: int):
@@ -112,6 +83,54 @@ def sample_path(sampler: Sampler, logits: Any, plan: Plan, start: int):
         path = [*path, int(pick[0])]
         row = child.get((row, int(pick[0])))
     return picks, adjusted
+
+
+class _EngineTarget(Target):
+    """The driver's Target on the engine: drafter, target verify, reply and cache commits."""
+
+    def __init__(self, spec: Speculator, anchor: int, reply: Any, cache: CachedTokens,
+                 sampler: Sampler | None) -> None:
+        self.spec, self.anchor, self.reply, self.cache, self.sampler = (
+            spec, anchor, reply, cache, sampler)
+        self._out: Any = None
+        self._adjusted: dict[int, Any] = {}
+
+    def draft(self) -> Block:
+        start = self.spec.target.cache.length  # the anchor's position
+        return self.spec.drafter.draft(self.anchor, noise=self.spec._draft_noise(start))
+
+    def verify(self, plan: Plan) -> np.ndarray:
+        spec, sampler = self.spec, self.sampler
+        start = spec.target.cache.length
+        self._out = out = spec.target.verify(plan.tokens, plan.depths, plan.mask,
+                                             tap_layers=spec.tap_layers,
+                                             return_logits=sampler is not None)
+        if sampler is None:
+            return out.argmax.cpu().numpy()  # the copy waits for an asynchronous device
+        argmax, self._adjusted = sample_path(sampler, out.logits.cpu(), plan, start)
+        return argmax
+
+    def commit(self, outcome: Outcome) -> Committed:
+        # The reply takes the accepted tokens, then the bonus; the one that ends it is not
+        # committed (plain decoding never commits its last token either).
+        sampler, emitted = self.sampler, []
+        keep, done = len(outcome.rows), False
+        for i, token in enumerate([*outcome.tokens, outcome.bonus]):
+            emitted.append(token)
+            if sampler is not None:  # token i was picked on row outcome.rows[i]
+                sampler.record(self._adjusted[outcome.rows[i]], token)
+            if self.reply.push(token):
+                keep, done = i + 1, True
+                break
+            if sampler is not None:
+                sampler.observe(token)
+        rows = outcome.rows[:keep]
+        t = time.perf_counter()
+        self.spec.target.commit(rows)
+        self.spec.drafter.observe(self._out.hiddens, rows=rows)
+        commit_s = time.perf_counter() - t
+        self.cache.commit(outcome.plan.tokens[rows])
+        return Committed(rows, emitted, done, commit_s)
 
 
 class Speculator:
@@ -153,116 +172,56 @@ class Speculator:
         """The target kept `keep` cached tokens and prefilled the rest with these taps."""
         self.drafter.truncate(min(keep, self.drafter.length))
         self.drafter.observe(hiddens)
-        self._check_aligned()
-
-    def _check_aligned(self) -> None:
-        if self.drafter.length != self.target.cache.length:
-            raise RuntimeError(f"drafter cache holds {self.drafter.length} tokens, the target's "
-                               f"{self.target.cache.length}")
 
     # ----- one reply -----------------------------------------------------------------------
-    def decode(self, anchor: int, reply: Any, cached_ids: list[int], capacity: int,
-               should_stop: Callable[[], bool] | None = None,
-               request_id: str | None = None, sampler: Sampler | None = None) -> RoundCounts:
+    def decode(self, anchor: int, reply: Any, cache: CachedTokens, capacity: int,
+               timing: Timing, should_stop: Callable[[], bool] | None = None,
+               request_id: str | None = None, sampler: Sampler | None = None) -> None:
         """Decode after the prefill until the reply finishes. anchor: the prefill's pick;
-        reply: the engine's Reply (stops); cached_ids: the engine's list of the tokens in the
-        target cache, extended in place with every committed token; sampler: None is greedy."""
-        counts = RoundCounts()
+        reply: the engine's Reply (stops); cache: the engine's cached tokens, extended with
+        every committed token; timing: the request's, whose round counters and decode time
+        this writes; sampler: None is greedy."""
         sched = self.scheduler
         start = time.perf_counter()
         temperature = sampler.params.temperature if sampler is not None else 0.0
-        sched.begin_request([*cached_ids, anchor], temperature=temperature)
+        sched.begin_request([*cache.ids, anchor], temperature=temperature)
         self._sampler = sampler
         try:
-            done = reply.push(anchor)
-            if sampler is not None:
-                sampler.observe(anchor)
-            while not done:
-                length = self.target.cache.length
-                if length >= capacity:
-                    reply.end("length")
-                    break
-                if should_stop is not None and should_stop():
-                    reply.end("cancelled")
-                    break
-                anchor, done = self._round(anchor, reply, cached_ids, capacity - length,
-                                           counts, request_id)
-            counts.decode_s = time.perf_counter() - start
-        except BaseException:
-            # a half-finished round leaves the caches undefined: the next request starts clean
-            self.target.reset()
-            self.drafter.reset()
-            cached_ids.clear()
-            raise
+            with cache.guard():
+                done = reply.push(anchor)
+                if sampler is not None:
+                    sampler.observe(anchor)
+                target = _EngineTarget(self, anchor, reply, cache, sampler)
+                while not done:
+                    length = self.target.cache.length
+                    if length >= capacity:
+                        reply.end("length")
+                        break
+                    if should_stop is not None and should_stop():
+                        reply.end("cancelled")
+                        break
+                    done = self._round(target, capacity - length, timing, request_id)
+                timing.decode_s = time.perf_counter() - start
         finally:
             self._sampler = None
             self._end_request()
-        return counts
 
-    def _round(self, anchor: int, reply: Any, cached_ids: list[int], room: int,
-               counts: RoundCounts, request_id: str | None) -> tuple[int, bool]:
-        sched, target, sampler = self.scheduler, self.target, self._sampler
-        start = target.cache.length  # the anchor's position
-        ctx = start + 1  # committed tokens, the anchor included
-        t0 = time.perf_counter()
-        if sched.should_draft(ctx, self.stop_ids):
-            drafted = self.drafter.draft(anchor, noise=self._draft_noise(start))
-            block = Block(drafted.picks, drafted.topk_ids, drafted.topk_logits, drafted.head)
-            plan = sched.plan(block, ctx, self.stop_ids)
-        else:
-            plan = sched.plan_undrafted(ctx, self.stop_ids)
-        if plan.rows > room:  # the context cannot hold this tree: one row still fits
-            plan = sched.plain(ctx)
-        t1 = time.perf_counter()
-        out = target.verify(plan.tokens, plan.depths, plan.mask, tap_layers=self.tap_layers,
-                            return_logits=sampler is not None)
-        if sampler is None:
-            argmax = out.argmax.cpu().numpy()  # the copy waits for an asynchronous device
-        else:
-            argmax, adjusted = sample_path(sampler, out.logits.cpu(), plan, start)
-        t2 = time.perf_counter()
-        outcome = sched.accept(plan, argmax)
-        walk_s = time.perf_counter() - t2
-
-        # The reply takes the accepted tokens, then the bonus; the one that ends it is not
-        # committed (plain decoding never commits its last token either).
-        emitted: list[int] = []
-        keep = len(outcome.rows)
-        done = False
-        for i, token in enumerate([*outcome.tokens, outcome.bonus]):
-            emitted.append(token)
-            if sampler is not None:  # token i was picked on row outcome.rows[i]
-                sampler.record(adjusted[outcome.rows[i]], token)
-            if reply.push(token):
-                keep, done = i + 1, True
-                break
-            if sampler is not None:
-                sampler.observe(token)
-        rows = outcome.rows[:keep]
-
-        t3 = time.perf_counter()
-        target.commit(rows)
-        self.drafter.observe(out.hiddens, rows=rows)
-        commit_s = walk_s + time.perf_counter() - t3
-        cached_ids.extend(int(t) for t in plan.tokens[rows])
-        self._check_aligned()
-
-        record = sched.learn(outcome, t2 - t1, t1 - t0, commit_s, last_round=done)
-        if plan.chosen_by == "plain":
-            counts.plain_rounds += 1
-        elif plan.drafted:
-            counts.draft_rounds += 1
-        else:
-            counts.ngram_rounds += 1
-        counts.verified_rows += plan.rows
-        counts.accepted_tokens += min(len(outcome.tokens), len(emitted))
-        row = round_record(record, plan, self.arm, request_id)
+    def _round(self, target: _EngineTarget, room: int, timing: Timing,
+               request_id: str | None) -> bool:
+        ctx = self.target.cache.length + 1  # committed tokens, the anchor included
+        result = run_round(self.scheduler, target, ctx, self.stop_ids, room)
+        target.anchor = result.outcome.bonus
+        record = result.record
+        record.arm, record.request = self.arm, request_id
+        timing.count_round(record, len(result.committed.emitted))
+        row = record.to_json()
         self._write(row)
         for observe in self.observers:
-            observe(row, plan)
+            observe(row, result.plan)
         if self.round_hook is not None:
-            self.round_hook(RoundTrace(plan, argmax, outcome, list(rows), emitted))
-        return outcome.bonus, done
+            self.round_hook(RoundTrace(result.plan, result.argmax, result.outcome,
+                                       list(result.committed.rows), result.committed.emitted))
+        return result.committed.done
 
     def _draft_noise(self, start: int):
         """The target's noise at the block's positions over the draft vocabulary, times T (the
@@ -308,34 +267,32 @@ class Speculator:
 DEFAULT_ARM = "adaspark,gate"
 
 
-def load_speculator(target: Any, model_path: Path, stop_ids, arm: str | None = None,
-                    drafter: str | Path | None = None, store: str | Path | None = None,
-                    fresh: bool = False, round_log: str | Path | None = None,
+def load_speculator(target: Any, model_path: Path, stop_ids, options: ModelOptions
                     ) -> Speculator | None:
-    """The speculator for an arm, or None for `ar` (the engine's plain decode loop).
+    """The speculator for options.arm, or None for `ar` (the engine's plain decode loop).
 
-    arm None means DEFAULT_ARM when a drafter exists for the model (the shipped one, or
-    `drafter`), else plain decoding with a warning; a named drafting arm without a drafter is an
-    error.
-    drafter: a checkpoint directory (None: the shipped one for this model file)."""
+    An arm of None means DEFAULT_ARM when a drafter exists for the model (the shipped one, or
+    options.drafter), else plain decoding with a warning; a named drafting arm without a
+    drafter is an error."""
     from adaspark.drafter.loading import default_drafter_for, load_drafter, target_info
     from adaspark.learned_store import drafter_sha256, fingerprint, open_store, restore
 
-    parsed = Arm.parse(arm or DEFAULT_ARM)
-    if not parsed.draft:
+    arm = options.arm or Arm.parse(DEFAULT_ARM)
+    if not arm.draft:
         return None
     info = target_info(target, model_path)
     try:
-        checkpoint = Path(drafter) if drafter else default_drafter_for(info)
+        checkpoint = Path(options.drafter) if options.drafter else default_drafter_for(info)
     except UserError as err:
-        if arm is not None:
+        if options.arm is not None:
             raise
         _log.warning("%s; decoding without speculation (arm ar)", err)
         return None
     draft = load_drafter(target, model_path, checkpoint)
-    scheduler = Scheduler(parsed)
-    learned = open_store(store, fingerprint(info["sha256"], drafter_sha256(checkpoint), target))
-    refused = restore(scheduler, learned, fresh)
+    scheduler = Scheduler(arm)
+    learned = open_store(options.store,
+                         fingerprint(info["sha256"], drafter_sha256(checkpoint), target))
+    refused = restore(scheduler, learned, options.fresh)
     if refused:
         _log.warning("%s", refused)
-    return Speculator(target, draft, scheduler, stop_ids, learned, round_log)
+    return Speculator(target, draft, scheduler, stop_ids, learned, options.round_log)

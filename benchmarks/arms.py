@@ -42,6 +42,7 @@ from adaspark.model.gguf import read_gguf
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
+from adaspark.options import ModelOptions
 from adaspark.sampling import SamplingParams, derived_seed
 from adaspark.scheduler.round import Arm
 from adaspark.speculative import load_speculator
@@ -136,9 +137,9 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_gguf(gguf)
     stores = Path(args.stores or tempfile.mkdtemp(prefix="adaspark-arms-"))
     engines = {label: Engine(target, tok, path,
-                             load_speculator(target, path, tok.stop_ids,
-                                             arm=arm.replace(f",{OWN_NOISE}", ""),
-                                             drafter=drafter, store=stores / label, fresh=True))
+                             load_speculator(target, path, tok.stop_ids, ModelOptions(
+                                 arm=arm.replace(f",{OWN_NOISE}", ""), drafter=drafter,
+                                 store=stores / label, fresh=True)))
                for label, (arm, drafter) in specs.items()}
     depths: dict[str, list[int]] = {label: [] for label in engines}  # accepted, drafted rounds
     for label, engine in engines.items():

@@ -19,11 +19,12 @@ from time import thread_time
 import numpy as np
 from prometheus_client import generate_latest
 
+from adaspark.scheduler.driver import run_round
 from adaspark.scheduler.round import Arm, Scheduler
 from adaspark.server.metrics import ServerMetrics
 from adaspark.sim.curves import load_curve
-from adaspark.sim.process import EOS, World, WorldParams, target_argmax
-from adaspark.speculative import round_record
+from adaspark.sim.process import EOS, World, WorldParams
+from adaspark.sim.run import SimTarget
 
 
 def measure(requests: int, seed: int = 0) -> dict:
@@ -41,24 +42,18 @@ def measure(requests: int, seed: int = 0) -> dict:
     sched.acceptance._calibrate = timed_calibrate
     round_s, snapshot_s, scrape_s = [], [], []
     for index in range(requests):
-        req = world.request(index)
-        context, end = req.prompt_length, req.prompt_length + req.reply_length
-        sched.begin_request(req.stream[:context])
-        while context < end:
-            if sched.should_draft(context, (EOS,)):
-                plan = sched.plan(world.block(req, context - 1), context, (EOS,))
-            else:
-                plan = sched.plan_undrafted(context, (EOS,))
-            argmax = target_argmax(req, context - 1, plan.tokens, plan.depths, plan.mask)
-            outcome = sched.accept(plan, argmax)
-            last = context + len(outcome.committed) >= end
-            record = sched.learn(outcome, curve.verify_s(plan.rows, context), curve.fixed_s,
-                                 curve.commit_s, last)
-            row = round_record(record, plan, "adaspark,gate", f"r{index}")
+        sim = SimTarget(curve, world, world.request(index))
+        sim.verify_noise[:] = sim.fixed_noise[:] = 1.0  # the curve's times
+        sched.begin_request(sim.req.stream[: sim.context])
+        while sim.context < sim.end:
+            r = run_round(sched, sim, sim.context, (EOS,))
+            r.record.arm, r.record.request = "adaspark,gate", f"r{index}"
+            row = r.record.to_json()
             start = thread_time()
-            metrics.observe_round(row, plan.depths)
+            metrics.observe_round(row, r.plan.depths)
             round_s.append(thread_time() - start)
-            context += len(outcome.committed)
+            sim.context += len(r.committed.emitted)
+            sim.k += 1
         sched.end_request()
         start = thread_time()
         sched.snapshot()

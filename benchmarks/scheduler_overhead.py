@@ -1,11 +1,12 @@
 """Host time of one round's scheduling and learning (plan + accept + learn), K = 8, B = 7.
 
-Drives the Scheduler with the simulator's drafter blocks (adaspark.sim.process) at pinned widths
-up to 64 rows and with the chooser, and times every round: the median and p90 per round of the
+Drives the Scheduler through the engine's round driver (scheduler/driver.py) on the simulator's
+target (sim/run.py's SimTarget) at pinned widths up to 64 rows and with the chooser, and times
+every round: the median and p90 per round of the
 thread's CPU time (on a shared machine, wall time's tail is other processes' preemption; the wall
 median is printed too), and the median split by part (the Scheduler's own wall-clock part
-timers). The simulator's own work (drawing blocks, the target's argmax) is outside the timed
-span.
+timers). The simulator's own work (drawing blocks, the target's argmax) is measured where it
+runs and taken out of the round's span.
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--requests N] [--json]
 """
@@ -18,9 +19,30 @@ from time import perf_counter, thread_time
 
 import numpy as np
 
+from adaspark.scheduler.driver import run_round
 from adaspark.scheduler.round import Arm, Scheduler
 from adaspark.sim.curves import load_curve
-from adaspark.sim.process import EOS, World, WorldParams, target_argmax
+from adaspark.sim.process import EOS, World, WorldParams
+from adaspark.sim.run import SimTarget
+
+
+class _Untimed(SimTarget):
+    """The simulator's target, with the CPU and wall time of its own work summed."""
+
+    outside_cpu = outside_wall = 0.0
+
+    def _timed(self, work, *args):
+        wall, cpu = perf_counter(), thread_time()
+        out = work(*args)
+        self.outside_cpu += thread_time() - cpu
+        self.outside_wall += perf_counter() - wall
+        return out
+
+    def draft(self):
+        return self._timed(super().draft)
+
+    def verify(self, plan):
+        return self._timed(super().verify, plan)
 
 ARMS = ("adaspark", "adaspark:8", "adaspark:16", "adaspark:32", "adaspark:64")
 
@@ -31,27 +53,20 @@ def measure(arm: str, requests: int, seed: int = 0) -> dict:
     sched = Scheduler(Arm.parse(arm), time_parts=True)
     totals, walls, parts, rows, refits = [], [], [], [], []
     for index in range(requests):
-        req = world.request(index)
-        context, end = req.prompt_length, req.prompt_length + req.reply_length
-        sched.begin_request(req.stream[:context])
-        while context < end:
-            block = world.block(req, context - 1)
+        sim = _Untimed(curve, world, world.request(index))
+        sim.verify_noise[:] = sim.fixed_noise[:] = 1.0  # the curve's times, as before
+        sched.begin_request(sim.req.stream[: sim.context])
+        while sim.context < sim.end:
             sched.part_times.clear()
+            sim.outside_cpu = sim.outside_wall = 0.0
             start, cpu_start = perf_counter(), thread_time()
-            plan = sched.plan(block, context, (EOS,))
-            planned, cpu_planned = perf_counter(), thread_time()
-            argmax = target_argmax(req, context - 1, plan.tokens, plan.depths, plan.mask)
-            resumed, cpu_resumed = perf_counter(), thread_time()
-            outcome = sched.accept(plan, argmax)
-            committed = outcome.committed
-            last = context + len(committed) >= end
-            sched.learn(outcome, curve.verify_s(plan.rows, context), curve.fixed_s,
-                        curve.commit_s, last)
-            totals.append((cpu_planned - cpu_start) + (thread_time() - cpu_resumed))
-            walls.append((planned - start) + (perf_counter() - resumed))
+            r = run_round(sched, sim, sim.context, (EOS,))
+            totals.append(thread_time() - cpu_start - sim.outside_cpu)
+            walls.append(perf_counter() - start - sim.outside_wall)
             parts.append(dict(sched.part_times))
-            rows.append(plan.rows)
-            context += len(committed)
+            rows.append(r.plan.rows)
+            sim.context += len(r.committed.emitted)
+            sim.k += 1
         start = perf_counter()
         sched.end_request()
         refits.append(perf_counter() - start)

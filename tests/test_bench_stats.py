@@ -249,3 +249,39 @@ def test_report_tables_and_figures_from_a_written_directory(tmp_path):
     for figure in ("fig3_verify_vs_rows", "fig7_round_anatomy", "fig8_width_shares",
                    "fig9_cost_model", "fig10_calibration"):
         assert (tmp_path / "figures" / f"{figure}.png").stat().st_size > 1000
+
+
+def test_report_table_2_table_7_widened_and_table_9(tmp_path):
+    """Round logs carrying both log losses and the n-gram's widening fill Table 2 and Table 7's
+    widened count; an `adaspark+classes` arm gives Table 9."""
+    from adaspark.bench.report import write_report
+
+    out = _results_dir(tmp_path)
+    with open(out / "results.jsonl", "a") as f:
+        for c, conv in enumerate(["oasst/1", "toolace/2", "longbench/3"]):
+            f.write(json.dumps({"kind": "reply", "arm": "adaspark+classes", "conversation": conv,
+                                "source": conv.split("/")[0], "turn": 0, "reply": 0,
+                                "completion_tokens": 100, "deltas": 60,
+                                "prompt_tokens": 3000 if c == 2 else 200,
+                                "decode_s": 100 / (20.0 * (1 + 0.1 * c)), "text": "same",
+                                "response_id": f"classes-{conv}"}) + "\n")
+    with open(out / "rounds" / "adaspark" / "part-1.jsonl", "w") as f:
+        for i in range(10):  # toolace: the fitted model wins and prices; half widened
+            f.write(json.dumps({"request": "adaspark-toolace/2", "rows": 8, "accepted": 1,
+                                "labels": 4, "logloss_head": 2.0, "logloss_fitted": 1.0,
+                                "fitted_prices": True, "rows_ngram": 1, "rows_agreed": 0,
+                                "ngram_widened": i % 2 == 0}) + "\n")
+            f.write(json.dumps({"request": "adaspark-longbench/3", "rows": 4, "accepted": 1,
+                                "labels": 2, "logloss_head": 1.0, "logloss_fitted": 1.5,
+                                "fitted_prices": False, "rows_ngram": 0, "rows_agreed": 0,
+                                "ngram_widened": False}) + "\n")
+    text = write_report(out, n_boot=200).read_text()
+    assert "## Acceptance prediction (Table 2)" in text
+    # the log's first request (oasst, no labels) is left out
+    assert "| adaspark | toolace | 1 | 40 | 0.5000 | 0.2500 | 50.0% | 100.0% |" in text
+    assert "| adaspark | longbench | 1 | 20 | 0.5000 | 0.7500 | -50.0% | 0.0% |" in text
+    assert "| adaspark | all | 2 | 60 | 0.5000 | 0.4167 | 16.7% | 50.0% |" in text
+    assert "| rounds with n-gram candidates | 10 |" in text
+    assert "| of those, rounds the n-gram widened | 50.0% |" in text
+    assert "## Learned against kernel-class widths (Table 9)" in text
+    assert "| all replies | 1.050×" in text

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from adaspark.learned_store import default_store_dir, fingerprint, open_store, restore
+from adaspark.scheduler.record import RoundTimes
 from adaspark.scheduler.round import STATE_VERSION, Scheduler
 from adaspark.scheduler.tree import Block
 
@@ -38,7 +39,7 @@ def learned_scheduler(seed: int = 0, rounds: int = 60) -> Scheduler:
         picks = rng.integers(100, 200, B)
         ids = np.column_stack([picks] + [rng.integers(300, 400, B) + 100 * k for k in range(1, K)])
         block = Block(picks, ids, np.tile(np.linspace(3.0, 0.0, K), (B, 1)), rng.random(B))
-        plan = sched.plan(block, 60, stop_ids=[2])
+        plan = sched.plan_round(60, lambda b=block: b, stop_ids=[2])
         run = int(rng.integers(0, B))
         argmax = np.full(plan.rows, 7, dtype=np.int64)
         for r in range(plan.rows):  # rows on the followed spine predict the next pick
@@ -47,7 +48,7 @@ def learned_scheduler(seed: int = 0, rounds: int = 60) -> Scheduler:
                     int(plan.depths[a])] for a in np.flatnonzero(plan.mask[r])):
                 argmax[r] = picks[d]
         outcome = sched.accept(plan, argmax)
-        sched.learn(outcome, 0.01 + 0.001 * plan.rows * rng.random(), 0.002, 0.0005)
+        sched.learn(outcome, RoundTimes(0.002, 0.01 + 0.001 * plan.rows * rng.random(), 0.0005))
     sched.end_request()
     return sched
 

@@ -10,8 +10,8 @@ from test_round import argmax_following, make_block
 
 from adaspark.engine import Generation, Timing
 from adaspark.scheduler import Scheduler
+from adaspark.scheduler.record import RoundTimes
 from adaspark.server.metrics import MAX_POSITION, ServerMetrics, round_kind
-from adaspark.speculative import round_record
 
 
 def run(arm: str, rounds: int, period: int, drafter_right: bool):
@@ -24,14 +24,13 @@ def run(arm: str, rounds: int, period: int, drafter_right: bool):
     seen = []
     for _ in range(rounds):
         ahead = truth[context:context + 8]
-        if sched.should_draft(context):
-            picks = ahead[:3] if drafter_right else [50_000 + context + j for j in range(3)]
-            plan, fixed_s = sched.plan(make_block(picks), context), 0.004
-        else:
-            plan, fixed_s = sched.plan_undrafted(context), 0.0005
+        picks = ahead[:3] if drafter_right else [50_000 + context + j for j in range(3)]
+        plan = sched.plan_round(context, lambda p=picks: make_block(p))
+        fixed_s = 0.004 if plan.drafted else 0.0005
         outcome = sched.accept(plan, argmax_following(plan, truth[context:]))
-        record = sched.learn(outcome, 0.010 + 0.001 * plan.rows, fixed_s, 0.0005)
-        row = round_record(record, plan, arm, "chatcmpl-1")
+        record = sched.learn(outcome, RoundTimes(fixed_s, 0.010 + 0.001 * plan.rows, 0.0005))
+        record.arm, record.request = arm, "chatcmpl-1"
+        row = record.to_json()
         metrics.observe_round(row, plan.depths)
         seen.append((row, plan))
         context += len(outcome.committed)

@@ -6,9 +6,14 @@ import numpy as np
 import pytest
 
 from adaspark.errors import UserError
-from adaspark.scheduler import Arm, Scheduler
+from adaspark.scheduler import Arm, Scheduler, driver
+from adaspark.scheduler.record import RoundRecord, RoundTimes
+from adaspark.scheduler.round import KERNEL_CLASSES
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import NGRAM, Block
+from adaspark.sim.curves import load_curve
+from adaspark.sim.process import EOS, World
+from adaspark.sim.run import SimTarget
 
 PROMPT = [5, 6, 7, 8]
 
@@ -39,9 +44,10 @@ def argmax_following(plan, truth):
 
 
 def run_round(sched, block, truth, context, last=False):
-    plan = sched.plan(block, context)
+    plan = sched.plan_round(context, lambda: block)
     outcome = sched.accept(plan, argmax_following(plan, truth))
-    record = sched.learn(outcome, verify_s=0.02, fixed_s=0.005, commit_s=0.0005, last_round=last)
+    record = sched.learn(outcome, RoundTimes(fixed_s=0.005, verify_s=0.02, commit_s=0.0005),
+                         last_round=last)
     return plan, outcome, record
 
 
@@ -63,11 +69,13 @@ def test_plan_accept_learn_end_to_end():
             assert plan.depths[i] == plan.depths[plan.parents[i]] + 1
     assert outcome.tokens == [11] and outcome.bonus == 12 and outcome.rows == [0, 1]
     assert list(outcome.committed) == [11, 12]
-    assert record["accepted"] == 1 and record["rows"] == 2 and record["labels"] > 0
-    assert json.loads(json.dumps(record))["context"] == 4  # the round log is JSON lines
+    assert record.accepted == 1 and record.rows == 2 and record.labels > 0
+    line = json.loads(json.dumps(record.to_json()))  # the round log is JSON lines
+    assert line["ctx"] == 4 and line["chosen_by"] == "probe" and line["cold"]
+    assert RoundRecord.from_json(line) == record  # the typed record round-trips
     # the n-gram index learned the committed tokens; the bonus is the next anchor
     assert sched.index.hist[-2:] == [11, 12]
-    plan2 = sched.plan(make_block([13, 14, 15]), 6)
+    plan2 = sched.plan_round(6, lambda: make_block([13, 14, 15]))
     assert plan2.tokens[0] == 12
 
 
@@ -87,7 +95,7 @@ def test_last_round_teaches_no_acceptance():
     run_round(sched, make_block([11, 12, 13]), [11, 12, 13, 14], 4)
     before = sched.acceptance.state_dict()
     _, _, record = run_round(sched, make_block([21, 22, 23]), [21, 9, 9, 9], 8, last=True)
-    assert record["labels"] == 0
+    assert record.labels == 0
     assert sched.acceptance.state_dict() == before
 
 
@@ -107,8 +115,8 @@ def test_ngram_off_has_no_ngram_rows():
     def ngram_nodes(arm):
         sched = Scheduler(arm)
         sched.begin_request(repeating)
-        plan = sched.plan(make_block([40, 41, 42]), len(repeating))
-        tree = plan._tree
+        plan = sched.plan_round(len(repeating), lambda: make_block([40, 41, 42]))
+        tree = plan.tree
         return int(np.count_nonzero(tree.kind == NGRAM)), plan
 
     with_ngram, _ = ngram_nodes("adaspark:16")
@@ -123,7 +131,7 @@ def test_head_only_arms_never_price_with_the_fitted_model():
         sched = Scheduler(arm)
         sched.acceptance.guard_fitted, sched.acceptance.guard_head = 0.0, 1.0  # guard: fitted
         sched.begin_request(PROMPT)
-        plan = sched.plan(make_block([11, 12, 13]), 4)
+        plan = sched.plan_round(4, lambda: make_block([11, 12, 13]))
         assert plan.fitted_prices is fitted
         q = plan._scored.q_fit if fitted else plan._scored.q_head
         assert np.array_equal(plan._scored.q, q)
@@ -133,13 +141,14 @@ def test_chain_arms_lay_out_a_chain():
     block = make_block([11, 12, 13, 14, 15])
     sched = Scheduler("chain3")
     sched.begin_request(PROMPT)
-    plan = sched.plan(block, 4)
+    plan = sched.plan_round(4, lambda: block)
     assert list(plan.tokens) == [8, 11, 12, 13] and list(plan.parents) == [-1, 0, 1, 2]
     sched = Scheduler("chain")
     sched.begin_request(PROMPT)
-    plan = sched.plan(block, 4)
+    plan = sched.plan_round(4, lambda: block)
     assert list(plan.tokens) == [8, 11, 12, 13, 14, 15] and plan.chosen_by == "chain"
-    plan = sched.plan(block, 4, stop_ids=(12,))  # nothing is verified below a stop token
+    # nothing is verified below a stop token
+    plan = sched.plan_round(4, lambda: block, stop_ids=(12,))
     assert list(plan.tokens) == [8, 11, 12]
     outcome = sched.accept(plan, [11, 12, 77])
     assert outcome.tokens == [11, 12] and outcome.bonus == 77
@@ -148,13 +157,12 @@ def test_chain_arms_lay_out_a_chain():
 def test_ar_arm_runs_plain_rounds():
     sched = Scheduler("ar")
     sched.begin_request(PROMPT)
-    assert not sched.should_draft(4)
-    plan = sched.plain(4)
+    plan = sched.plan_round(4, lambda: pytest.fail("the ar arm never drafts"))
     assert plan.rows == 1 and plan.tokens[0] == 8 and plan.chosen_by == "plain"
     outcome = sched.accept(plan, [42])
     assert list(outcome.committed) == [42]
-    sched.learn(outcome, 0.01, 0.0, 0.0001)
-    assert sched.plain(5).tokens[0] == 42
+    sched.learn(outcome, RoundTimes(0.0, 0.01, 0.0001))
+    assert sched.plan_round(5, None).tokens[0] == 42
 
 
 def test_arm_parse():
@@ -168,6 +176,64 @@ def test_arm_parse():
             Arm.parse(bad)
 
 
+def test_arm_parse_takes_both_spellings_and_pins_with_modifiers():
+    """The bench's `adaspark+gate` and the engine's `adaspark,gate` are one arm, one name."""
+    plus, comma = Arm.parse("adaspark+gate+plain"), Arm.parse("adaspark, gate,plain")
+    assert plus == comma and plus.name == "adaspark,gate,plain" and plus.gate
+    assert Arm.parse(plus) is plus
+    pinned = plus.at_width(8)
+    assert pinned.pinned == 8 and pinned.gate and pinned.name == "adaspark:8,gate,plain"
+    assert Arm.parse("adaspark:4").at_width(16).name == "adaspark:16"
+    with pytest.raises(UserError):
+        Arm.parse("adaspark+bogus")
+
+
+def test_classes_arm_offers_only_the_kernel_row_classes():
+    """Modifier `classes` (Table 9): the width table is the kernel's row classes, never split."""
+    world = World(3)
+    widths = {}
+    for arm in ("adaspark", "adaspark+classes"):
+        sched = Scheduler(arm)
+        assert sched.cost.widths == (list(KERNEL_CLASSES) if arm.endswith("classes")
+                                     else [2, 4, 8, 16, 32, 64])
+        sim = SimTarget(load_curve("int8-dense"), world, world.request(0))
+        sched.begin_request(sim.req.stream[: sim.context])
+        while sim.context < sim.end:
+            r = driver.run_round(sched, sim, sim.context, (EOS,))
+            sim.context += len(r.committed.emitted)
+            sim.k += 1
+        widths[arm] = sched.cost.widths
+    assert len(widths["adaspark"]) > 6  # the learned table split; the kernel's did not
+    # (the drafter's reach may cap the widest class, as on any arm)
+    assert set(widths["adaspark+classes"]) <= set(KERNEL_CLASSES) | {sched.cost.reach}
+    assert len(widths["adaspark+classes"]) <= len(KERNEL_CLASSES)
+
+
+def test_the_driver_runs_the_engine_and_the_simulator():
+    """One run_round: the engine's and the simulator's targets are driver Targets, and a round
+    through it equals plan_round -> accept -> learn done by hand."""
+    from adaspark import speculative
+    from adaspark.sim import run as sim_run
+
+    assert speculative.run_round is driver.run_round is sim_run.run_round
+    assert issubclass(speculative._EngineTarget, driver.Target)
+    assert issubclass(SimTarget, driver.Target)
+    world = World(1)
+    by_hand, driven = Scheduler("adaspark,gate"), Scheduler("adaspark,gate")
+    sim = SimTarget(load_curve("int8-dense"), world, world.request(0))
+    for sched in (by_hand, driven):
+        sched.begin_request(sim.req.stream[: sim.context])
+    for _ in range(40):
+        r = driver.run_round(driven, sim, sim.context, (EOS,))
+        plan = by_hand.plan_round(sim.context, sim.draft, (EOS,))
+        outcome = by_hand.accept(plan, sim.verify(plan))
+        record = by_hand.learn(outcome, r.times, last_round=r.committed.done)
+        assert np.array_equal(plan.tokens, r.plan.tokens) and outcome.rows == r.outcome.rows
+        assert record == r.record
+        sim.context += len(r.committed.emitted)
+        sim.k += 1
+
+
 def test_state_round_trips_through_the_store(tmp_path):
     from adaspark.sim.process import EOS, World, target_argmax
 
@@ -177,10 +243,10 @@ def test_state_round_trips_through_the_store(tmp_path):
     context = req.prompt_length
     sched.begin_request(req.stream[:context])
     for _ in range(30):
-        plan = sched.plan(world.block(req, context - 1), context, (EOS,))
+        plan = sched.plan_round(context, lambda c=context: world.block(req, c - 1), (EOS,))
         argmax = target_argmax(req, context - 1, plan.tokens, plan.depths, plan.mask)
         outcome = sched.accept(plan, argmax)
-        sched.learn(outcome, 0.02 + 0.001 * plan.rows, 0.005, 0.0005)
+        sched.learn(outcome, RoundTimes(0.005, 0.02 + 0.001 * plan.rows, 0.0005))
         context += len(outcome.committed)
     sched.end_request()
     store = Store(tmp_path, {"model": "m", "drafter": "d"})
@@ -194,7 +260,8 @@ def test_state_round_trips_through_the_store(tmp_path):
     plans = []
     for s in (sched, restored):
         s.begin_request(req.stream[: req.prompt_length])
-        plans.append(s.plan(world.block(req, req.prompt_length - 1), req.prompt_length, (EOS,)))
+        plans.append(s.plan_round(req.prompt_length,
+                                  lambda: world.block(req, req.prompt_length - 1), (EOS,)))
     assert np.array_equal(plans[0].tokens, plans[1].tokens)
     assert plans[0].width_chosen == plans[1].width_chosen
     with pytest.raises(UserError):
@@ -211,14 +278,10 @@ def test_plain_rounds_replace_speculation_that_cannot_pay():
         sched.begin_request(list(range(3, 303)))
         context, kinds = 300, []
         for k in range(120):
-            if sched.should_draft(context):
-                plan = sched.plan(make_block([5000 + k, 5001 + k, 5002 + k]), context)
-                verify_s, fixed_s = 0.03, 0.01
-            else:
-                plan = sched.plain(context)
-                verify_s, fixed_s = 0.01, 0.0
+            plan = sched.plan_round(context, lambda k=k: make_block([5000 + k, 5001 + k, 5002 + k]))
+            verify_s, fixed_s = (0.03, 0.01) if plan.drafted else (0.01, 0.0)
             outcome = sched.accept(plan, np.full(plan.rows, 7 + k % 50))  # never a candidate
-            sched.learn(outcome, verify_s, fixed_s, 0.0005)
+            sched.learn(outcome, RoundTimes(fixed_s, verify_s, 0.0005))
             context += len(outcome.committed)
             kinds.append(plan.chosen_by)
         rounds[arm] = kinds
@@ -239,16 +302,12 @@ def gate_rounds(arm: str, drafter_right: bool, rounds: int = 160, text_period: i
     context, kinds = len(prompt), []
     for _ in range(rounds):
         ahead = truth[context:context + 8]
-        if sched.should_draft(context):
-            picks = ahead[:3] if drafter_right else [50_000 + context + j for j in range(3)]
-            plan = sched.plan(make_block(picks), context)
-            fixed_s = 0.004
-        else:
-            plan = sched.plan_undrafted(context)
-            fixed_s = 0.0005
+        picks = ahead[:3] if drafter_right else [50_000 + context + j for j in range(3)]
+        plan = sched.plan_round(context, lambda p=picks: make_block(p))
+        fixed_s = 0.004 if plan.drafted else 0.0005
         verify_s = 0.010 + 0.001 * plan.rows
         outcome = sched.accept(plan, argmax_following(plan, truth[context:]))
-        sched.learn(outcome, verify_s, fixed_s, 0.0005)
+        sched.learn(outcome, RoundTimes(fixed_s, verify_s, 0.0005))
         context += len(outcome.committed)
         kinds.append("drafted" if plan.drafted else plan.chosen_by)
     return kinds, sched

@@ -8,6 +8,7 @@ from test_round import argmax_following, make_block
 
 from adaspark.scheduler import Scheduler
 from adaspark.scheduler.cost import basis
+from adaspark.scheduler.record import RoundTimes
 from adaspark.scheduler.snapshot import CURVE_POINTS, band_contexts
 
 
@@ -22,12 +23,11 @@ def served(arm: str = "adaspark,gate", rounds: int = 120, period: int = 40):
         sched.begin_request(truth[:context])
         for i in range(rounds // 2):
             ahead = truth[context:context + 8]
-            if sched.should_draft(context):
-                plan = sched.plan(make_block([ahead[0], ahead[1], 9_999]), context)
-            else:
-                plan = sched.plan_undrafted(context)
+            plan = sched.plan_round(context,
+                                    lambda a=ahead: make_block([a[0], a[1], 9_999]))
             outcome = sched.accept(plan, argmax_following(plan, truth[context:]))
-            records.append(sched.learn(outcome, 0.010 + 0.001 * plan.rows, 0.004, 0.0005,
+            records.append(sched.learn(outcome, RoundTimes(0.004, 0.010 + 0.001 * plan.rows,
+                                                           0.0005),
                                        last_round=i == rounds // 2 - 1))
             context += len(outcome.committed)
         sched.end_request()
@@ -48,7 +48,7 @@ def test_snapshot_is_plain_json(learned):
 def test_width_share_counts_every_round_by_rows(learned):
     sched, records, snap = learned
     assert snap["rounds"] == len(records)
-    rows = [r["rows"] for r in records]
+    rows = [r.rows for r in records]
     assert {w["rows"]: w["rounds"] for w in snap["width_share"]} == \
         {n: rows.count(n) for n in set(rows)}
     assert sum(w["share"] for w in snap["width_share"]) == pytest.approx(1.0)
@@ -84,7 +84,7 @@ def test_calibration_bins_hold_every_label(learned):
     sched, records, snap = learned
     bins = snap["acceptance"]["calibration"]
     assert len(bins) == 10 and bins[0]["lo"] == 0.0 and bins[-1]["hi"] == 1.0
-    assert sum(b["count"] for b in bins) == sum(r["labels"] for r in records) > 0
+    assert sum(b["count"] for b in bins) == sum(r.labels for r in records) > 0
     for b in bins:
         if b["count"]:
             assert b["lo"] <= b["predicted"] <= b["hi"] and 0.0 <= b["realised"] <= 1.0

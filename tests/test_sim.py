@@ -61,15 +61,15 @@ def test_blocks_are_reproducible_and_the_head_is_overconfident_at_depth():
     first = req.prompt_length - 1
     a, b = world.block(req, first + 10), World(5).block(again, first + 10)
     for key in ("picks", "topk_ids", "topk_logits", "head"):
-        assert np.array_equal(a[key], b[key])
-    assert a["topk_ids"].shape == (7, 8) and np.array_equal(a["topk_ids"][:, 0], a["picks"])
-    assert np.all(np.diff(a["topk_logits"], axis=1) < 0)
+        assert np.array_equal(getattr(a, key), getattr(b, key))
+    assert a.topk_ids.shape == (7, 8) and np.array_equal(a.topk_ids[:, 0], a.picks)
+    assert np.all(np.diff(a.topk_logits, axis=1) < 0)
     right, head = np.zeros(7), np.zeros(7)
     anchors = range(first, first + req.reply_length - 8)
     for anchor in anchors:
         blk = world.block(req, anchor)
-        right += blk["picks"] == req.stream[anchor + 1 : anchor + 8]
-        head += blk["head"]
+        right += blk.picks == req.stream[anchor + 1 : anchor + 8]
+        head += blk.head
     gap = head / len(anchors) - right / len(anchors)
     assert gap[-1] > gap[0] + 0.1  # miscalibrated: more overconfident deeper in the block
     assert req.stream[req.prompt_length + req.reply_length - 1] == EOS
@@ -130,6 +130,19 @@ def test_sim_command(capsys):
     assert main(["sim", "--curve", "moe", "--widths", "0,8"]) == 2
 
 
+def test_sim_gate_arm_simulates_ngram_rounds_and_counts_rounds_by_kind(capsys):
+    """`adaspark sim --arm adaspark,gate` plans the gate's n-gram trees as the engine does."""
+    assert main(["sim", "--curve", "int8-dense", "--arm", "adaspark+gate", "--requests", "4",
+                 "--widths", "8", "--workers", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kinds = out["rounds_by_kind"]
+    assert set(kinds) == {"drafted", "ngram", "plain"} and sum(kinds.values()) == out["rounds"]
+    assert kinds["ngram"] > 0 and kinds["drafted"] > 0
+    assert main(["sim", "--curve", "moe", "--requests", "1", "--widths", "4", "--json"]) == 0
+    plain_arm = json.loads(capsys.readouterr().out)["rounds_by_kind"]
+    assert plain_arm["ngram"] == 0 and plain_arm["drafted"] > 0  # no gate: always drafts
+
+
 def test_a_round_log_replays_as_the_curve_it_measured(tmp_path):
     """Rounds logged on a known curve (noise included) rebuild that curve at the logged widths:
     the log's records are what Scheduler.learn returns, written one JSON object per line."""
@@ -143,7 +156,7 @@ def test_a_round_log_replays_as_the_curve_it_measured(tmp_path):
     for width in (4, 8, 16):
         records += run_arm(int4, world, Arm.parse(f"tree:{width}"), 3, keep_records=True).records
     log = tmp_path / "rounds.jsonl"
-    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log.write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     curve = curve_from_round_log(str(log))
     for width in (4, 8, 16):
         for context in (500, 3000):

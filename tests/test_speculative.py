@@ -23,6 +23,7 @@ from adaspark.learned_store import drafter_sha256, fingerprint, open_store, rest
 from adaspark.model.sources import default_model_path
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
+from adaspark.options import ModelOptions
 from adaspark.scheduler.round import Scheduler
 from adaspark.speculative import DEFAULT_ARM, Speculator, load_speculator
 
@@ -73,7 +74,7 @@ def traced(engine: Engine) -> list:
 
 def assert_aligned(engine: Engine) -> None:
     target = engine.target
-    assert target.cache.length == len(engine._cached_ids)
+    assert target.cache.length == len(engine.cache.ids)
     if engine.speculator is not None:
         assert engine.speculator.drafter.length == target.cache.length
 
@@ -215,7 +216,7 @@ def compare_with_ar(parts, **kw):
     """The pinned arm and ar under the same stop; the caches must hold the same tokens."""
     ar = make_engine(parts, "ar")
     want = ar.generate(COPY, **kw)
-    ar_cache = list(ar._cached_ids)
+    ar_cache = list(ar.cache.ids)
     spec = make_engine(parts, "adaspark:6")
     streamed: list[str] = []
     traces = traced(spec)
@@ -223,7 +224,7 @@ def compare_with_ar(parts, **kw):
     assert (got.text, got.token_ids, got.finish_reason, got.stop_token_id) == \
         (want.text, want.token_ids, want.finish_reason, want.stop_token_id)
     assert "".join(streamed) == got.text
-    assert spec._cached_ids == ar_cache
+    assert spec.cache.ids == ar_cache
     assert_aligned(spec)
     assert stopped_mid_path(traces)
     return got, spec
@@ -235,7 +236,7 @@ def test_max_tokens_inside_an_accepted_path(parts, copy_run):
     got, spec = compare_with_ar(parts, max_tokens=at + 2)
     assert got.finish_reason == "length" and len(got.token_ids) == at + 2
     # the last emitted token is not in the cache: the next turn recomputes it like ar would
-    assert spec._cached_ids == got.prompt_token_ids + got.token_ids[:-1]
+    assert spec.cache.ids == got.prompt_token_ids + got.token_ids[:-1]
 
 
 def test_stop_string_split_across_an_accepted_chunk(parts, copy_run):
@@ -253,7 +254,7 @@ def test_stop_string_split_across_an_accepted_chunk(parts, copy_run):
     got, spec = compare_with_ar(parts, max_tokens=30, stop=[stop])
     assert got.finish_reason == "stop" and got.stop_token_id is None
     assert not got.text.endswith(stop) and stop not in got.text
-    assert spec._cached_ids == got.prompt_token_ids + got.token_ids[:-1]
+    assert spec.cache.ids == got.prompt_token_ids + got.token_ids[:-1]
 
 
 def end_token_drafter(target, tok) -> Drafter:
@@ -287,7 +288,7 @@ def test_stop_token_inside_an_accepted_path(parts, copy_run):
     assert stopped_mid_path(traces)
     assert (got.text, got.token_ids, got.stop_token_id) == \
         (want.text, want.token_ids, want.stop_token_id)
-    assert engine._cached_ids == got.prompt_token_ids + got.token_ids
+    assert engine.cache.ids == got.prompt_token_ids + got.token_ids
     assert_aligned(engine)
 
 
@@ -329,12 +330,14 @@ def test_load_speculator_store_and_round_log(parts, tmp_path):
     checkpoint = tmp_path / "drafter"
     save_checkpoint(checkpoint, drafter.model.float(), target_fingerprint(target.config, path))
     stores, log = tmp_path / "stores", tmp_path / "rounds.jsonl"
-    assert load_speculator(target, path, tok.stop_ids, arm="ar") is None
-    with pytest.raises(UserError, match="no drafter checkpoint"):
-        load_speculator(target, path, tok.stop_ids, arm="adaspark", drafter=tmp_path / "none")
+    def load(**options):
+        return load_speculator(target, path, tok.stop_ids, ModelOptions(**options))
 
-    spec = load_speculator(target, path, tok.stop_ids, arm="adaspark", drafter=checkpoint,
-                           store=stores, round_log=log)
+    assert load(arm="ar") is None
+    with pytest.raises(UserError, match="no drafter checkpoint"):
+        load(arm="adaspark", drafter=tmp_path / "none")
+
+    spec = load(arm="adaspark", drafter=checkpoint, store=stores, round_log=log)
     engine = Engine(target, tok, path, spec)
     engine.reset()
     gen = engine.generate(COPY, max_tokens=12, request_id="chatcmpl-1")
@@ -342,14 +345,12 @@ def test_load_speculator_store_and_round_log(parts, tmp_path):
     state = spec.scheduler.state_dict()
 
     # a restart: a new speculator on the same fingerprint reads back what the request learned
-    again = load_speculator(target, path, tok.stop_ids, arm="adaspark", drafter=checkpoint,
-                            store=stores)
+    again = load(arm="adaspark", drafter=checkpoint, store=stores)
     assert again.store.path == spec.store.path and again.store.path.is_file()
     assert as_json(again.scheduler.state_dict()) == as_json(state)
-    fresh = load_speculator(target, path, tok.stop_ids, arm="adaspark", drafter=checkpoint,
-                            store=stores, fresh=True)
+    fresh = load(arm="adaspark", drafter=checkpoint, store=stores, fresh=True)
     assert as_json(fresh.scheduler.state_dict()) == as_json(Scheduler("adaspark").state_dict())
-    default = load_speculator(target, path, tok.stop_ids, drafter=checkpoint, store=stores)
+    default = load(drafter=checkpoint, store=stores)
     assert default.arm == DEFAULT_ARM == "adaspark,gate" and default.scheduler.arm.gate
     expected = fingerprint(json.loads((checkpoint / "config.json").read_text())["target"]
                            ["sha256"], drafter_sha256(checkpoint), target)

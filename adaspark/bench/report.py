@@ -1,8 +1,9 @@
 """`adaspark report DIR`: Markdown tables shaped like the paper's and PNG figures from a bench run.
 
-Tables follow the paper's Tables 3, 4, 6, 7, 8 and 10 as far as the run's arms allow; a table
-whose arms were not run is left out with a note. Ratios are geometric means of per-reply ratios
-with 95% bootstrap intervals over conversations (see stats.py).
+Tables follow the paper's Tables 2, 3, 4, 6, 7, 8, 9 and 10 as far as the run's arms allow; a
+table whose arms were not run is left out with a note. Table 2 (acceptance log loss) and Table 7
+(mechanism counts) come from the round logs, whose fields scheduler/record.py defines. Ratios are
+geometric means of per-reply ratios with 95% bootstrap intervals over conversations (stats.py).
 """
 
 from __future__ import annotations
@@ -297,6 +298,52 @@ class Report:
                             len(with_ngram(rs))) if has(rs, "ngram_widened") else "n/a")
         return lines + _table(header, [[name, *cells] for name, cells in stats.items()])
 
+    def acceptance(self) -> list[str]:
+        """Table 2: log loss per labelled node of the head-based estimate and the fitted model,
+        both scored on a round's labels before either learned from them, by source; the first
+        request of each arm's log (an empty store) is left out, as in the paper."""
+        lines = ["## Acceptance prediction (Table 2)", ""]
+        logs = {label: has(rs, "labels", "logloss_fitted", "logloss_head")
+                for label, rs in self.rounds.items()}
+        logs = {label: rs for label, rs in logs.items() if any(r["labels"] for r in rs)}
+        if not logs:
+            return lines + ["No round log carries acceptance labels (needs a drafting arm).", ""]
+        rows = []
+        for label, rs in logs.items():
+            source_of = {r.get("response_id"): r.get("source") for r in self.records
+                         if r.get("kind") == "reply" and r.get("arm") == label}
+            first = self.rounds[label][0].get("request")  # the run's first, from an empty store
+            later = [r for r in rs if r.get("request") != first]
+            groups: dict[str, list[dict]] = {}
+            for r in later:
+                groups.setdefault(source_of.get(r.get("request")) or "?", []).append(r)
+            for name, group in [*sorted(groups.items()), ("all", later)]:
+                nodes = sum(r["labels"] for r in group)
+                head = sum(r["logloss_head"] for r in group)
+                fitted = sum(r["logloss_fitted"] for r in group)
+                trees = [r for r in group if (r.get("rows") or 1) > 1]
+                priced = sum(bool(r.get("fitted_prices")) for r in trees)
+                rows.append([label, name, f"{len({r.get('request') for r in group}):,}",
+                             f"{nodes:,}", _num(head / nodes if nodes else None, 4),
+                             _num(fitted / nodes if nodes else None, 4),
+                             _pct(head - fitted, head), _pct(priced, len(trees))])
+        header = ["arm", "source", "requests", "nodes", "head-based", "fitted", "change",
+                  "priced"]
+        note = ("Log loss per labelled node (nats); change: how much lower the fitted model's "
+                "is; priced: tree rounds whose tree the fitted model priced (the guard's "
+                "choice). Every request but each log's first.")
+        return lines + [note, ""] + _table(header, rows)
+
+    def kernel_classes(self) -> list[str]:
+        """Table 9: learned widths over the kernel's row classes (`adaspark+classes`)."""
+        lines = ["## Learned against kernel-class widths (Table 9)", ""]
+        classes = next((a for a in self.arms if a.replace("+", ",") == "adaspark,classes"), None)
+        if ADASPARK not in self.arms or classes is None:
+            return lines + ["Not run: needs `adaspark` and `adaspark+classes`.", ""]
+        rows = [["all replies", _ratio(self.cmp(ADASPARK, classes))]]
+        rows += [[name, _ratio(self.cmp(ADASPARK, classes, in_band(name)))] for name in BANDS]
+        return lines + _table(["", "adaspark / adaspark+classes"], rows)
+
     def server_timings(self) -> list[str]:
         """Totals of the numeric fields of each reply's server `timings` object."""
         per_arm: dict[str, dict[str, float]] = {}
@@ -366,7 +413,8 @@ class Report:
     def markdown(self) -> str:
         sections = [self.header(), self.sampling(), self.headline(), self.end_to_end(),
                     self.width_table(),
-                    self.by_source(), self.by_band(), self.mechanism(), self.server_timings(),
+                    self.by_source(), self.by_band(), self.acceptance(), self.mechanism(),
+                    self.kernel_classes(), self.server_timings(),
                     self.identical(), self.figures()]
         return "\n".join(line for section in sections for line in section)
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from adaspark.commands.generate import (
-    add_model_options,
+    add_generation_options,
     load_engine,
     sampling_params,
     timing_line,
@@ -19,7 +19,7 @@ from adaspark.errors import UserError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_model_options(parser)
+    add_generation_options(parser)
     parser.add_argument("--quiet", action="store_true", help="no timing line after each reply")
 
 

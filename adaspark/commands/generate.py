@@ -8,6 +8,7 @@ import json
 import sys
 
 from adaspark.engine import Engine, Generation
+from adaspark.options import ModelOptions, add_model_options
 from adaspark.sampling import SamplingParams
 
 
@@ -18,31 +19,14 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by the commands that load a model and decode."""
-    parser.add_argument("--model", metavar="PATH",
-                        help="a local GGUF (llama, qwen2, qwen3); default: the embedded SmolLM2")
-    parser.add_argument("--precision", choices=("fast", "reference"), default="fast",
-                        help="fast: packed 4/8-bit kernels; reference: float32 (validation)")
-    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+def add_generation_options(parser: argparse.ArgumentParser) -> None:
+    """The model's options (options.py) and a reply's: system prompt, cap, stops, sampling."""
+    add_model_options(parser)
     parser.add_argument("--system", metavar="TEXT", help="system prompt")
     parser.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
                         help="most reply tokens (default 256)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable); the reply ends before it")
-    parser.add_argument("--arm", metavar="ARM",
-                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark, "
-                             "adaspark:N, with ,plain for width-1 plain rounds or ,gate for "
-                             "the draft gate (default: adaspark,gate when a drafter exists for "
-                             "the model, else ar)")
-    parser.add_argument("--drafter", metavar="DIR",
-                        help="drafter checkpoint (default: the shipped one for the model)")
-    parser.add_argument("--store", metavar="DIR",
-                        help="learned store directory (default: the user cache)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start from an empty learned store (it is still saved)")
-    parser.add_argument("--round-log", metavar="FILE",
-                        help="append one JSON line per decoding round")
     sampling = parser.add_argument_group(
         "sampling", "position-keyed Gumbel-max: a seed gives the same reply on every arm")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -67,9 +51,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def load_engine(args: argparse.Namespace) -> Engine:
-    return Engine.load(args.model, precision=args.precision, device=args.device, arm=args.arm,
-                       drafter=args.drafter, store=args.store, fresh=args.fresh,
-                       round_log=args.round_log)
+    return Engine.load(options=ModelOptions.from_args(args))
 
 
 def timing_line(gen: Generation) -> str:
@@ -86,7 +68,7 @@ def timing_line(gen: Generation) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, metavar="TEXT",
                         help="the user message (rendered through the model's chat template)")
-    add_model_options(parser)
+    add_generation_options(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, ids, timing) instead of streaming")
 

@@ -13,6 +13,7 @@ import os
 import socket
 
 from adaspark.errors import UserError
+from adaspark.options import ModelOptions, add_model_options
 from adaspark.server.auth import ENV_VAR, ApiKey
 
 
@@ -20,22 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--model", default=None,
-                        help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--precision", choices=("fast", "reference"), default="fast",
-                        help="fast packed kernels, or float32 reference")
-    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    parser.add_argument("--arm", default=None,
-                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark[:N], "
-                             "with modifiers after commas (default: adaspark,gate when a drafter "
-                             "exists for the model, else ar)")
-    parser.add_argument("--drafter", default=None, metavar="DIR",
-                        help="drafter checkpoint directory (default: the shipped one)")
-    parser.add_argument("--store", default=None, metavar="DIR",
-                        help="learned store directory (default: the user cache)")
-    parser.add_argument("--fresh", action="store_true", help="start from an empty learned store")
-    parser.add_argument("--round-log", default=None, metavar="FILE",
-                        help="write one JSON line per decoding round")
+    add_model_options(parser)
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every route but /health "
                              "and the dashboard's page (default: $ADASPARK_API_KEY, else none)")
@@ -77,21 +63,17 @@ def run(args: argparse.Namespace) -> int:
 
     from adaspark.engine import Engine
     from adaspark.model.sources import resolve_model
-    from adaspark.scheduler.round import Arm
     from adaspark.server import create_app
 
-    # Bad options fail here, at once, rather than after the port has opened.
-    if args.arm is not None:
-        Arm.parse(args.arm)
+    # Bad options fail here, at once, rather than after the port has opened (--arm: argparse).
     key = api_key(args)
-    model_path = resolve_model(args.model)
+    options = ModelOptions.from_args(args)
+    model_path = resolve_model(options.model)
     failure: list[BaseException] = []
 
     def load() -> Engine:
         try:
-            return Engine.load(model_path, precision=args.precision, device=args.device,
-                               arm=args.arm, drafter=args.drafter, store=args.store,
-                               fresh=args.fresh, round_log=args.round_log)
+            return Engine.load(model_path, options)
         except BaseException as err:
             failure.append(err)
             server.should_exit = True

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from adaspark.errors import UserError
+from adaspark.options import arm_type
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of text, drafter and noise")
     parser.add_argument("--widths", help="pinned widths to sweep, comma-separated "
                         "(default: the ladder and a few widths between)")
-    parser.add_argument("--arm", default="adaspark",
+    parser.add_argument("--arm", default="adaspark", type=arm_type,
                         help="the adaptive arm and its switches, e.g. adaspark,ratio "
                         "(the pinned arms are ARM:N)")
     parser.add_argument("--workers", type=int, default=None,
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  widths chosen: {result['widths_chosen']}")
     if result["cost_error_median"] is not None:
         print(f"  cost model median |error|, second half: {100 * result['cost_error_median']:.2f}%")
+    print(f"  AdaSpark rounds by kind: {result['rounds_by_kind']}")
     if result["logloss_fitted"] is not None:
         print(f"  log loss per label: fitted {result['logloss_fitted']:.4f}, "
               f"head-based {result['logloss_head']:.4f}")

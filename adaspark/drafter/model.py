@@ -17,10 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# One draft forward is the scheduler's block type (numpy, target token ids): the drafter makes
+# what the tree reads, with no second form to convert.
+from adaspark.scheduler.tree import Block as DraftBlock  # noqa: F401
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids -> [..., dim] float32
 
@@ -48,16 +51,6 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass
-class DraftBlock:
-    """One draft forward: everything the scheduler's tree needs, as numpy (target token ids)."""
-
-    picks: np.ndarray  # [B] int64: argmax of each row's Markov-biased logits, along the picks
-    topk_ids: np.ndarray  # [B, K] int64, topk_ids[:, 0] == picks
-    topk_logits: np.ndarray  # [B, K] float32, the biased logits of those candidates
-    head: np.ndarray  # [B] float32, calibrated P(pick k accepted | picks < k accepted)
 
 
 class RMSNorm(nn.Module):

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adaspark.errors import UserError
+from adaspark.scheduler.bands import CONTEXT_UNIT
 from adaspark.scheduler.ftrl import AdaGradScalar, FTRLProximal
 from adaspark.scheduler.tree import (
     HEAD_CLIP,
@@ -63,7 +64,6 @@ from adaspark.scheduler.tree import (
     logit,
 )
 
-CONTEXT_UNIT = 8192.0
 N_DRAFTER = 12  # a0..a6, two depth terms, three context terms
 BUCKET0 = N_DRAFTER
 AGREED0 = BUCKET0 + N_BUCKETS

@@ -36,10 +36,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from adaspark.errors import UserError
-from adaspark.scheduler.bands import context_band
+from adaspark.scheduler.bands import CONTEXT_UNIT, context_band
 
 REFERENCE_WIDTH = 8          # n₀ is the narrowest offered width at least this wide
-CONTEXT_UNIT = 8192.0
 GAIN_CLAMP = (0.25, 4.0)
 GAIN_RIDGE = 0.02            # shrinkage toward 1, times each regressor's sum of squares
 GAIN_RIDGE_FLOOR = 0.05

@@ -42,13 +42,12 @@ from collections import deque
 from collections.abc import Callable
 
 from adaspark.errors import UserError
-from adaspark.scheduler.bands import context_band
+from adaspark.scheduler.bands import CONTEXT_UNIT, context_band
 from adaspark.scheduler.ftrl import FTRLProximal
 
 LADDER = (2, 4, 8, 16, 32, 64)
 MEASUREMENTS = 3            # measurements before a width is priced, and samples before its law
 QUANTILE = 0.15             # τ: recovers the machine's time if > 15% of rounds are undisturbed
-CONTEXT_UNIT = 8192.0
 L1, L2 = 0.002, 0.01
 RATE, STABILISER, N_CAP = 0.05, 1.0, 400.0
 BANK_PER_BAND = 16

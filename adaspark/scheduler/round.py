@@ -3,27 +3,34 @@
     sched = Scheduler(Arm.parse("adaspark"))
     sched.load_state_dict(store.load() or {})        # learned state outlives requests only here
     sched.begin_request(committed_tokens)            # prompt (+ any token prefill committed)
-    while decoding:
-        if sched.should_draft(context_length, stop_ids):   # False for `ar`, plain, gated
-            plan = sched.plan(block, context_length, stop_ids)     # Algorithm 1, lines 3-12
-        else:
-            plan = sched.plan_undrafted(context_length, stop_ids)  # n-gram tree or 1 row
-        argmax, verify_s = target.verify(plan.tokens, plan.depths, plan.mask)    # line 13
+    while decoding:                                  # driver.run_round does these four steps
+        plan = sched.plan_round(context_length, draft, stop_ids, room)   # lines 3-12
+        argmax = target.verify(plan.tokens, plan.depths, plan.mask)      # line 13
         outcome = sched.accept(plan, argmax)         # rows to commit, tokens, bonus (line 14)
-        record = sched.learn(outcome, verify_s, fixed_s, commit_s, last_round)  # lines 15-18
+        record = sched.learn(outcome, RoundTimes(D, verify, commit), last_round)  # lines 15-18
     sched.end_request()                              # the cost model's refit
     store.save(sched.state_dict())
+
+`draft()` returns the drafter's tree.Block after the anchor; plan_round calls it only in a round
+it decides to draft (not for `ar`, a plain round, or a gated n-gram round), so this module never
+touches the drafter. Everything a round decided travels in its Plan (the gate's bucket
+included), so learn() needs no state left behind by planning.
 
 `Arm` selects the paper's arms with switches on one scheduler (see `Arm.parse`). Every decision
 and everything learned lives here and in the modules it drives: tree.py (candidates, order,
 layout, accept walk), ngram.py (the request's text), acceptance.py (q), cost.py (verify prices),
 chooser.py (the width), gate.py (whether to draft at all, modifier `gate`). The engine owns
 tensors and clocks and hands in numbers only.
+
+Two places where this follows Algorithm 1 rather than a looser reading of §3 (docs/round.md):
+a request's first round teaches the acceptance model (only line 15, the cost model, skips it:
+the first round runs cold, but its labels are true), and an exploration round (line 12) teaches
+the gains like any round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter
 
@@ -36,6 +43,7 @@ from adaspark.scheduler.chooser import Chooser
 from adaspark.scheduler.cost import MEASUREMENTS, CostModel, QuantileLaw
 from adaspark.scheduler.gate import NO_PROPOSAL, DraftGate
 from adaspark.scheduler.ngram import NgramIndex, exploration_swap
+from adaspark.scheduler.record import ChosenBy, RoundRecord, RoundTimes
 from adaspark.scheduler.tree import (
     NGRAM,
     Block,
@@ -51,6 +59,9 @@ from adaspark.scheduler.tree import (
 PLAIN_RECHECK = 16  # plain rounds in a row before drafting once more to re-measure the rate
 MAX_WIDTH = 64
 STATE_VERSION = 1
+# Modifier `classes` (Table 9): the width table is the 8-bit matrix kernel's row classes, every 8
+# rows up to 64, fixed (no splits) instead of the ladder the cost model refines (§3.2).
+KERNEL_CLASSES = (8, 16, 24, 32, 40, 48, 56, 64)
 
 
 @dataclass(frozen=True)
@@ -67,15 +78,20 @@ class Arm:
     hysteresis: bool = True
     plain_rounds: bool = False  # skip drafting when a plain decode step is worth more
     gate: bool = False  # per round, draft or plan from the n-gram index alone (gate.py)
+    classes: bool = False  # widths fixed to the kernel's row classes (KERNEL_CLASSES)
 
     BASES = ("ar", "chain3", "chain", "tree:N", "cost", "adaspark", "adaspark:N")
-    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate")
+    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate", "classes")
 
     @classmethod
-    def parse(cls, text: str) -> Arm:
+    def parse(cls, text: str | Arm) -> Arm:
         """`ar`, `chain3`, `chain`, `tree:N`, `cost`, `adaspark`, `adaspark:N`, optionally with
-        comma-separated modifiers: head, no-ngram, ratio, no-hysteresis, plain, gate."""
-        base, *mods = [part.strip() for part in str(text).split(",")]
+        modifiers after commas or plus signs (`adaspark,gate` == `adaspark+gate`: the bench
+        spells arms with `+` because its arm list is comma-separated): head, no-ngram, ratio,
+        no-hysteresis, plain, gate, classes. The name keeps the comma spelling."""
+        if isinstance(text, Arm):
+            return text
+        base, *mods = [part.strip() for part in str(text).replace("+", ",").split(",")]
         name, _, width = base.partition(":")
         pinned = None
         if width:
@@ -103,13 +119,19 @@ class Arm:
             raise UserError(f"unknown arm {base!r}; arms: {', '.join(cls.BASES)}")
         switches = {"head": {"fitted": False}, "no-ngram": {"ngram": False},
                     "ratio": {"ratio_rule": True}, "no-hysteresis": {"hysteresis": False},
-                    "plain": {"plain_rounds": True}, "gate": {"gate": True}}
+                    "plain": {"plain_rounds": True}, "gate": {"gate": True},
+                    "classes": {"classes": True}}
         for mod in mods:
             if mod not in switches:
                 raise UserError(f"arm {text!r}: unknown modifier {mod!r}; "
                                 f"modifiers: {', '.join(cls.MODIFIERS)}")
             arm = replace(arm, **switches[mod])
-        return replace(arm, name=str(text).strip())
+        return replace(arm, name=",".join([base, *mods]))
+
+    def at_width(self, width: int) -> Arm:
+        """This arm pinned to `width` (its base at :width, its modifiers kept): the sweep's."""
+        base, *mods = self.name.split(",")
+        return Arm.parse(",".join([f"{base.partition(':')[0]}:{int(width)}", *mods]))
 
 
 @dataclass
@@ -122,17 +144,19 @@ class Plan:
     parents: np.ndarray  # int64[n] parent row, -1 for row 0
     mask: np.ndarray  # bool[n, n]: row i sees row j iff j is i or an ancestor of i
     width_chosen: int  # the width asked for (may exceed rows when the tree runs out)
-    chosen_by: str  # "chooser", "probe", "pinned", "chain", "plain" or "undrafted"
+    chosen_by: ChosenBy
     width_offered: list[int] = field(default_factory=list)
     predicted_S: float = 0.0  # expected accepted candidates of the verified tree
     predicted_T_s: float | None = None  # the cost model's price of the width (seconds)
     explored: bool = False  # the last row is an exploration row (§3.3)
     fitted_prices: bool = False  # the fitted acceptance model priced the tree
     drafted: bool = True  # the drafter ran for this round (False: plain or undrafted)
-    _tree: CandidateTree | None = field(default=None, repr=False)
+    gate_bucket: int | None = None  # the draft gate's bucket at the anchor (None: gate off)
+    ngram_widened: bool = False  # the n-gram candidates moved the chooser wider (Cor. 4)
+    tree: CandidateTree | None = field(default=None, repr=False)  # None: a plain round
+    layout: Layout | None = field(default=None, repr=False)
     _scored: Scored | None = field(default=None, repr=False)
     _ranking: Ranking | None = field(default=None, repr=False)
-    _layout: Layout | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -156,15 +180,7 @@ class Outcome:
         return np.array(self.tokens + [self.bonus], dtype=np.int64)
 
 
-def _as_block(block) -> Block:
-    if isinstance(block, Block):
-        return block
-    if isinstance(block, Mapping):
-        try:
-            return Block(block["picks"], block["topk_ids"], block["topk_logits"], block["head"])
-        except KeyError as err:
-            raise ValueError(f"drafter block is missing {err}") from None
-    raise ValueError(f"a drafter block must be a tree.Block or a mapping, not {type(block)}")
+Draft = Callable[[], Block]  # the drafter's block after the anchor, made on demand
 
 
 class Scheduler:
@@ -172,11 +188,10 @@ class Scheduler:
     """
 
     def __init__(self, arm: Arm | str | None = None, time_parts: bool = False) -> None:
-        self.arm = Arm.parse(arm) if isinstance(arm, str) else (arm or Arm())
-        pinned = self.arm.pinned
-        self.cost = CostModel()
+        self.arm = Arm.parse(arm) if arm is not None else Arm()
+        self.cost = CostModel(KERNEL_CLASSES) if self.arm.classes else CostModel()
         self.acceptance = AcceptanceModel()
-        self.chooser = Chooser(pinned=pinned, ratio_rule=self.arm.ratio_rule,
+        self.chooser = Chooser(pinned=self.arm.pinned, ratio_rule=self.arm.ratio_rule,
                                hysteresis=self.arm.hysteresis)
         self.plain_law = QuantileLaw()  # the 1-row step, for plain rounds (width 1 is no class)
         self.index: NgramIndex | None = None
@@ -185,8 +200,6 @@ class Scheduler:
         self._round = 0  # rounds of this request
         self._plain_run = 0  # plain rounds in a row
         self.gate = DraftGate()
-        self._bucket: int | None = None  # this round's gate bucket (None: the gate is off)
-        self._undrafted: CandidateTree | None = None  # the n-gram tree the gate looked at
         # host seconds per part of the round, summed (benchmarks/scheduler_overhead.py)
         self.part_times: dict[str, float] | None = {} if time_parts else None
         # rounds by rows verified since this process started (not stored): the width share
@@ -216,56 +229,69 @@ class Scheduler:
         self.acceptance.begin_request()
         self._round = 0
         self._plain_run = 0
-        self._bucket, self._undrafted = None, None
 
     def end_request(self) -> int:
         """The end-of-request refit of the cost laws; returns how many refits were adopted."""
         self.index, self._anchor = None, None
         return self.cost.end_request() + int(self.plain_law.dirty and self.plain_law.refit())
 
-    def _need_request(self) -> None:
+    # ----- planning ----------------------------------------------------------------------
+    def plan_round(self, context_length: int, draft: Draft, stop_ids: Sequence[int] = (),
+                   room: int | None = None) -> Plan:
+        """Algorithm 1, lines 3-12: this round's rows to verify.
+
+        context_length: the committed tokens, the anchor included; draft: called at most once,
+        only when the round drafts, for the drafter's block after the anchor; stop_ids: tokens
+        after which nothing is verified; room: the rows the context can still hold (None: no
+        limit), a wider plan gives way to one row.
+
+        A round drafts unless the arm never does (`ar`), a plain decode step is worth more
+        (modifier `plain`: the band's long-run speculative rate is below a 1-row step's, V of
+        Eq. 7 at width 1 beats every width, once that step is measured), or the draft gate
+        (modifier `gate`) finds the n-gram index's own tree at the anchor the faster mode in
+        its bucket; then the round verifies that tree (priced and cut like any tree) or one
+        row. A request's first round and the cost model's probes always draft (a probe
+        measures a width only the drafter can fill)."""
         if self._anchor is None:
             raise ValueError("call begin_request() before planning a round")
-
-    # ----- planning ----------------------------------------------------------------------
-    def should_draft(self, context_length: int, stop_ids: Sequence[int] = ()) -> bool:
-        """Whether this round drafts at all; False means run `plan_undrafted()` instead.
-
-        With plain rounds on, a round is plain when the band's long-run speculative rate is
-        below a plain decode step's rate (V of Eq. 7 at width 1 beats every width when
-        1 - rho * T(1) > 0); the 1-row step is first measured like any width (3 rounds).
-        With the gate on, the n-gram index's own tree at the anchor sets the round's bucket and
-        the gate picks the faster mode there (gate.py); a request's first round and the cost
-        model's probes always draft (a probe measures a width only the drafter can fill)."""
-        self._bucket, self._undrafted = None, None
+        ctx = int(context_length)
+        bucket = None
         if not self.arm.draft:
-            return False
-        if self.arm.gate:
-            if self._round == 0 or self.cost.probe() is not None:
-                return True
-            self._undrafted = self._ngram_tree(stop_ids)
-            tree = self._undrafted
+            plan = self._plain(ctx)
+        elif self.arm.gate and self._round > 0 and self.cost.probe() is None:
+            tree = self._ngram_tree(stop_ids)
             # node 0 is the first proposal after the anchor (chains() starts there)
-            self._bucket = evidence_of_bucket(int(tree.bucket[0])) if tree.n_nodes else NO_PROPOSAL
-            return self.gate.choose(self._bucket)
+            bucket = evidence_of_bucket(int(tree.bucket[0])) if tree.n_nodes else NO_PROPOSAL
+            plan = (self._drafted(draft(), ctx, stop_ids) if self.gate.choose(bucket)
+                    else self._undrafted(tree, ctx))
+        elif self._plain_pays(ctx):
+            plan = self._plain(ctx)
+        else:
+            plan = self._drafted(draft(), ctx, stop_ids)
+        if room is not None and plan.rows > room:  # the context cannot hold it: one row fits
+            plan = self._plain(ctx)
+        plan.gate_bucket = bucket
+        return plan
+
+    def _plain_pays(self, ctx: int) -> bool:
+        """Modifier `plain`: a plain step's rate beats the band's speculative rate."""
         if not self.arm.plain_rounds or self._round == 0 or self.cost.probe() is not None:
-            return True
-        if self.plain_law.samples < MEASUREMENTS:
             return False
-        band = self.chooser.rates.get(context_band(context_length))
+        if self.plain_law.samples < MEASUREMENTS:
+            return True  # the 1-row step is first measured like any width (3 rounds)
+        band = self.chooser.rates.get(context_band(ctx))
         rate = None if band is None else band.rate
         if rate is None or self._plain_run >= PLAIN_RECHECK:
-            return True
-        return rate >= 1.0 / self.plain_law.predict(context_length)
+            return False
+        return rate < 1.0 / self.plain_law.predict(ctx)
 
-    def plain(self, context_length: int) -> Plan:
+    def _plain(self, ctx: int) -> Plan:
         """The 1-row round: the anchor alone, its argmax is the one committed token."""
-        self._need_request()
         tokens = np.array([self._anchor], dtype=np.int64)
         zero = np.zeros(1, dtype=np.int64)
-        predicted = self.plain_law.predict(context_length)
-        return Plan(int(context_length), tokens, zero, np.full(1, -1, dtype=np.int64),
-                    np.ones((1, 1), dtype=bool), 1, "plain",
+        predicted = self.plain_law.predict(ctx)
+        return Plan(ctx, tokens, zero, np.full(1, -1, dtype=np.int64),
+                    np.ones((1, 1), dtype=bool), 1, ChosenBy.PLAIN,
                     predicted_T_s=None if predicted is None else predicted / 1000.0,
                     drafted=False)
 
@@ -275,54 +301,40 @@ class Scheduler:
             self.index.chains(tree)
         return tree
 
-    def plan_undrafted(self, context_length: int, stop_ids: Sequence[int] = ()) -> Plan:
-        """A round without the drafter: with the gate on, the n-gram index's tree at the anchor
-        priced and cut like any tree, a plain step (once measured) among the offers (the
-        undrafted round's own D, no hysteresis: it does not move the chooser's incumbent);
-        else, or when the index proposes nothing, plain()."""
-        self._need_request()
-        ctx = int(context_length)
-        if not self.arm.gate or not self.arm.draft:
-            return self.plain(ctx)
-        tree = self._undrafted if self._undrafted is not None else self._ngram_tree(stop_ids)
-        self._undrafted = None
+    def _undrafted(self, tree: CandidateTree, ctx: int) -> Plan:
+        """A gated round without the drafter: the n-gram index's tree at the anchor priced and
+        cut like any tree, a plain step (once measured) among the offers (the undrafted round's
+        own D, no hysteresis: it does not move the chooser's incumbent); one row when the
+        index proposes nothing worth a row."""
         offers = self.cost.offers(ctx)
         if tree.n_nodes == 0 or not offers:
-            return self.plain(ctx)
+            return self._plain(ctx)
         scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
                                        temperature=self.temperature)
         ranking = rank(tree, scored.q)
         if ranking.n_useful == 0:
-            return self.plain(ctx)
+            return self._plain(ctx)
         plain_ms = self.plain_law.predict(ctx)  # a weak proposal may not be worth a row
         if plain_ms is not None:
             offers = [(1, plain_ms), *offers]
         width, price_ms = self.chooser.best(offers, ranking.S_drafter.tolist(),
                                             ranking.S_ngram.tolist(), self.gate.fixed_ms, ctx)
         if width == 1:
-            return self.plain(ctx)
+            return self._plain(ctx)
         kept = ranking.order[: min(width - 1, ranking.n_useful)]
         lay = layout(tree, kept, anchor_token=self._anchor)
         return Plan(
             context_length=ctx, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
-            mask=lay.mask, width_chosen=int(width), chosen_by="undrafted",
+            mask=lay.mask, width_chosen=int(width), chosen_by=ChosenBy.UNDRAFTED,
             width_offered=[w for w, _ in offers], predicted_S=float(ranking.Q[kept].sum()),
             predicted_T_s=price_ms / 1000.0, fitted_prices=scored.fitted_prices, drafted=False,
-            _tree=tree, _scored=scored, _ranking=ranking, _layout=lay,
+            tree=tree, layout=lay, _scored=scored, _ranking=ranking,
         )
 
-    def plan(self, block, context_length: int, stop_ids: Sequence[int] = ()) -> Plan:
-        """Algorithm 1, lines 3-12: candidates, q, best-first order, width, depth-first rows.
-
-        block: the drafter's block after the anchor (a tree.Block, or a mapping with picks[B],
-        topk_ids[B,K], topk_logits[B,K], head[B]); context_length: the committed tokens, the
-        anchor included; stop_ids: tokens after which nothing is verified."""
-        self._need_request()
-        if not self.arm.draft:
-            return self.plain(context_length)
-        ctx = int(context_length)
+    def _drafted(self, block: Block, ctx: int, stop_ids: Sequence[int]) -> Plan:
+        """Lines 3-12 on the drafter's block: candidates, q, best-first order, width, rows."""
         t = self._start()
-        tree = CandidateTree.from_block(_as_block(block), self._anchor, stop_ids)
+        tree = CandidateTree.from_block(block, self._anchor, stop_ids)
         t = self._lap("candidates", t)
         if self.index is not None:
             self.index.chains(tree)
@@ -334,11 +346,12 @@ class Scheduler:
         t = self._lap("order", t)
         offered: list[int] = []
         price_ms = None
+        widened = False
         if self.arm.chain is not None:
             kept = self._chain(tree, self.arm.chain)
-            width, chosen_by = kept.size + 1, "chain"
+            width, chosen_by = kept.size + 1, ChosenBy.CHAIN
         else:
-            width, chosen_by, offered, price_ms = self._width(ranking, ctx)
+            width, chosen_by, offered, price_ms, widened = self._width(ranking, ctx)
             kept = ranking.order[: min(width - 1, ranking.n_useful)]
         t = self._lap("width", t)
         explored = False
@@ -347,7 +360,7 @@ class Scheduler:
             explored = not np.array_equal(swapped, kept)
             kept = swapped
         lay = layout(tree, kept, anchor_token=self._anchor)
-        if price_ms is None and chosen_by != "probe":
+        if price_ms is None and chosen_by is not ChosenBy.PROBE:
             price_ms = self._price(width, ctx)
         self._lap("layout", t)
         return Plan(
@@ -355,20 +368,29 @@ class Scheduler:
             mask=lay.mask, width_chosen=int(width), chosen_by=chosen_by, width_offered=offered,
             predicted_S=float(ranking.Q[kept].sum()),
             predicted_T_s=None if price_ms is None else price_ms / 1000.0,
-            explored=explored, fitted_prices=scored.fitted_prices,
-            _tree=tree, _scored=scored, _ranking=ranking, _layout=lay,
+            explored=explored, fitted_prices=scored.fitted_prices, ngram_widened=widened,
+            tree=tree, layout=lay, _scored=scored, _ranking=ranking,
         )
 
-    def _width(self, ranking: Ranking, ctx: int) -> tuple[int, str, list[int], float | None]:
+    def _width(self, ranking: Ranking, ctx: int
+               ) -> tuple[int, ChosenBy, list[int], float | None, bool]:
+        """(width, chosen_by, offered widths, price ms, whether the n-gram widened it)."""
         if self.arm.pinned is not None:
-            return self.arm.pinned, "pinned", [], None
+            return self.arm.pinned, ChosenBy.PINNED, [], None, False
         probe = self.cost.probe()
         if probe is not None:
-            return probe, "probe", [], None
+            return probe, ChosenBy.PROBE, [], None, False
         offers = self.cost.offers(ctx)
-        width = self.chooser.choose(offers, ranking.S_drafter.tolist(), ranking.S_ngram.tolist(),
-                                    self.cost.fixed_cost(ctx), ctx)
-        return width, "chooser", [w for w, _ in offers], dict(offers).get(width)
+        s_drafter, s_ngram = ranking.S_drafter.tolist(), ranking.S_ngram.tolist()
+        fixed_ms = self.cost.fixed_cost(ctx)
+        widened = False
+        if s_ngram and s_ngram[-1] > 0.0:  # Corollary 4's evidence, scored before choose()
+            alone, _ = self.chooser.best(offers, s_drafter, [0.0] * len(s_ngram), fixed_ms, ctx)
+            merged, _ = self.chooser.best(offers, s_drafter, s_ngram, fixed_ms, ctx)
+            widened = merged > alone
+        # choose() scores last: its round is the one wins() and tokens() read afterwards
+        width = self.chooser.choose(offers, s_drafter, s_ngram, fixed_ms, ctx)
+        return width, ChosenBy.CHOOSER, [w for w, _ in offers], dict(offers).get(width), widened
 
     def _price(self, width: int, ctx: int) -> float | None:
         try:
@@ -389,53 +411,50 @@ class Scheduler:
         am = np.asarray(argmax, dtype=np.int64).reshape(-1)
         if am.size != plan.rows:
             raise ValueError(f"argmax has {am.size} rows, the plan has {plan.rows}")
-        if plan._layout is None:  # a plain round
+        if plan.layout is None:  # a plain round
             return Outcome(plan, [0], [], int(am[0]))
         t = self._start()
-        acc = accept(plan._layout, am)
+        acc = accept(plan.layout, am)
         self._lap("accept walk", t)
         return Outcome(plan, list(acc.rows), list(acc.tokens), int(acc.bonus), list(acc.nodes),
                        acc.labelled_parents, acc.parent_targets)
 
     # ----- learning ----------------------------------------------------------------------
-    def learn(self, outcome: Outcome, verify_s: float, fixed_s: float, commit_s: float,
-              last_round: bool = False) -> dict:
-        """Algorithm 1, lines 15-18; returns the round's log record.
+    def learn(self, outcome: Outcome, times: RoundTimes, last_round: bool = False
+              ) -> RoundRecord:
+        """Algorithm 1, lines 15-18; returns the round's record (record.py).
 
-        verify_s: the measured verify; fixed_s: the round's fixed cost D (drafter forward and
-        tree build); commit_s: the cache commit. The first round of a request teaches the cost
-        model nothing (it runs cold); the last round of a reply teaches no acceptance, gain or
-        rate (the reply's end cuts it short)."""
+        times: the round's measured D (drafter forward and plan), verify and commit. The first
+        round of a request teaches the cost model, the rate and the gains nothing (it runs
+        cold); the last round of a reply teaches no acceptance, gain or rate (the reply's end
+        cuts it short)."""
         plan = outcome.plan
         ctx = plan.context_length
         first = self._round == 0
         self.width_rounds[plan.rows] = self.width_rounds.get(plan.rows, 0) + 1
-        verify_ms, fixed_ms, commit_ms = 1000.0 * verify_s, 1000.0 * fixed_s, 1000.0 * commit_s
-        record = {
-            "context": ctx, "width_offered": plan.width_offered,
-            "width_chosen": plan.width_chosen, "chosen_by": plan.chosen_by, "rows": plan.rows,
-            "accepted": len(outcome.tokens), "accepted_drafter": 0, "accepted_ngram": 0,
-            "accepted_agreed": 0, "fixed_s": fixed_s, "verify_s": verify_s,
-            "commit_s": commit_s, "predicted_S": plan.predicted_S,
-            "predicted_T_s": plan.predicted_T_s, "explored": plan.explored,
-            "fitted_prices": plan.fitted_prices, "labels": 0,
-            "logloss_fitted": 0.0, "logloss_head": 0.0,
-        }
-        if plan.chosen_by == "plain":
+        verify_ms, fixed_ms = 1000.0 * times.verify_s, 1000.0 * times.fixed_s
+        round_ms = fixed_ms + verify_ms + 1000.0 * times.commit_s
+        record = RoundRecord(
+            ctx=ctx, width=plan.width_chosen, rows=plan.rows, chosen_by=plan.chosen_by,
+            accepted=len(outcome.tokens), D=times.fixed_s, verify=times.verify_s,
+            commit=times.commit_s, width_offered=list(plan.width_offered),
+            pred_S=None if plan.chosen_by is ChosenBy.PLAIN else plan.predicted_S,
+            pred_T=plan.predicted_T_s, drafted=plan.drafted, gate_bucket=plan.gate_bucket,
+            explored=plan.explored, fitted_prices=plan.fitted_prices,
+            ngram_widened=plan.ngram_widened)
+        if plan.tree is None:
             self._plain_run += 1
             if not first:
                 self.plain_law.learn(ctx, verify_ms)
         else:
             self._plain_run = 0
-            self._learn_tree_round(outcome, record, first, last_round, verify_ms, fixed_ms,
-                                   commit_ms)
-        if self._bucket is not None and not first:
+            self._learn_tree_round(outcome, record, first, last_round, times)
+        if plan.gate_bucket is not None and not first:
             if not plan.drafted:
                 self.gate.learn_fixed(fixed_ms)
             if not last_round:
-                self.gate.learn(self._bucket, plan.drafted, len(outcome.tokens) + 1,
-                                fixed_ms + verify_ms + commit_ms)
-        record["drafted"], record["gate_bucket"] = plan.drafted, self._bucket
+                self.gate.learn(plan.gate_bucket, plan.drafted, len(outcome.tokens) + 1,
+                                round_ms)
         if self.index is not None:
             t = self._start()
             self.index.extend(outcome.committed)
@@ -444,16 +463,24 @@ class Scheduler:
         self._round += 1
         return record
 
-    def _learn_tree_round(self, outcome: Outcome, record: dict, first: bool, last: bool,
-                          verify_ms: float, fixed_ms: float, commit_ms: float) -> None:
-        plan, tree, ranking = outcome.plan, outcome.plan._tree, outcome.plan._ranking
+    def _learn_tree_round(self, outcome: Outcome, record: RoundRecord, first: bool, last: bool,
+                          times: RoundTimes) -> None:
+        plan, tree, ranking = outcome.plan, outcome.plan.tree, outcome.plan._ranking
         ctx = plan.context_length
+        verify_ms, fixed_ms = 1000.0 * times.verify_s, 1000.0 * times.fixed_s
+        round_ms = fixed_ms + verify_ms + 1000.0 * times.commit_s
         nodes = np.asarray(outcome.nodes, dtype=np.int64)
         is_ngram = tree.kind[nodes] == NGRAM
         agreed = (~is_ngram) & (tree.agreed_bucket[nodes] >= 0)
-        record["accepted_ngram"] = int(is_ngram.sum())
-        record["accepted_agreed"] = int(agreed.sum())
-        record["accepted_drafter"] = int(nodes.size - is_ngram.sum() - agreed.sum())
+        record.accepted_ngram = int(is_ngram.sum())
+        record.agreed = int(agreed.sum())
+        record.accepted_drafter = int(nodes.size - is_ngram.sum() - agreed.sum())
+        placed = plan.layout.nodes[1:]
+        placed_ngram = tree.kind[placed] == NGRAM
+        placed_agreed = ~placed_ngram & (tree.agreed_bucket[placed] >= 0)
+        record.rows_ngram = int(placed_ngram.sum())
+        record.rows_agreed = int(placed_agreed.sum())
+        record.rows_drafter = int(placed.size - record.rows_ngram - record.rows_agreed)
         t = self._start()
         # Line 15: the cost model, then a split where a width inside a class could win.
         self.cost.observe(plan.width_chosen, plan.rows, ctx, verify_ms, fixed_ms,
@@ -467,11 +494,11 @@ class Scheduler:
         hit[position[nodes[~is_ngram]] + 1] = 1.0
         hit_ng[position[nodes[is_ngram]] + 1] = 1.0
         self.chooser.learn(
-            plan.width_chosen, ctx, len(outcome.tokens), fixed_ms + verify_ms + commit_ms,
+            plan.width_chosen, ctx, len(outcome.tokens), round_ms,
             plan.width_offered, np.cumsum(hit).tolist(), np.cumsum(hit_ng).tolist(),
             ranking.S_drafter.tolist(), ranking.S_ngram.tolist(), teach=not first and not last)
         t = self._lap("learn chooser", t)
-        if plan.chosen_by == "chooser" and not first:
+        if plan.chosen_by is ChosenBy.CHOOSER and not first and not self.arm.classes:
             self.cost.maybe_split(self.chooser.incumbent, self.chooser.held_rounds, ctx,
                                   self.chooser.wins)
             t = self._lap("split", t)
@@ -479,10 +506,10 @@ class Scheduler:
         if not last:
             loss = self.acceptance.learn(
                 plan._scored, outcome.labelled_parents, outcome.parent_targets,
-                placed_nodes=plan._layout.nodes[1:], fit=self.arm.fitted)
-            record["labels"] = loss.nodes
-            record["logloss_fitted"] = loss.fitted
-            record["logloss_head"] = loss.head
+                placed_nodes=placed, fit=self.arm.fitted)
+            record.labels = loss.nodes
+            record.logloss_fitted = loss.fitted
+            record.logloss_head = loss.head
             self._lap("learn acceptance", t)
 
     def snapshot(self, contexts=None) -> dict:

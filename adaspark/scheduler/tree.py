@@ -102,7 +102,10 @@ def _block_shape(B: int, K: int):
 
 @dataclass
 class Block:
-    """One drafter block: picks[B], topk_ids[B,K] (column 0 = picks), topk_logits[B,K], head[B]."""
+    """One drafter block, the one form the drafter returns and the tree reads (numpy, target
+    token ids): picks[B] int64, topk_ids[B,K] int64 (column 0 = picks), topk_logits[B,K] float32
+    (the drafter's biased logits), head[B] float32 (calibrated P(pick k accepted | picks before
+    it accepted))."""
 
     picks: np.ndarray
     topk_ids: np.ndarray

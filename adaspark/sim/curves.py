@@ -105,7 +105,7 @@ def load_curve(name: str) -> CostCurve:
 
 def curve_from_round_log(path: str) -> CostCurve:
     """A curve measured by a recorded run: the engine's round log, one JSON record per line
-    (the Scheduler.learn records: rows, context, verify_s, fixed_s, commit_s).
+    in the schema of scheduler/record.py (rows, ctx, verify, D, commit: seconds).
 
     Each verified width's law is the 0.15-quantile of its times per context band (interference
     is one-sided), fitted as alpha + beta * context over the bands with beta >= 0. Widths the
@@ -116,10 +116,10 @@ def curve_from_round_log(path: str) -> CostCurve:
             records = [json.loads(line) for line in fh if line.strip()]
         samples: dict[int, list[tuple[float, float]]] = {}
         for r in records:
-            samples.setdefault(int(r["rows"]), []).append((float(r["context"]),
-                                                          1000.0 * float(r["verify_s"])))
-        fixed = [1000.0 * float(r["fixed_s"]) for r in records if float(r["fixed_s"]) > 0]
-        commit = [1000.0 * float(r["commit_s"]) for r in records]
+            samples.setdefault(int(r["rows"]), []).append((float(r["ctx"]),
+                                                          1000.0 * float(r["verify"])))
+        fixed = [1000.0 * float(r["D"]) for r in records if float(r["D"]) > 0]
+        commit = [1000.0 * float(r["commit"]) for r in records]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"cannot read round log {path}: {err!r}") from None
     laws = {rows: _low_quantile_law(pts) for rows, pts in samples.items() if len(pts) >= 3}

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from adaspark.scheduler.tree import Block
+
 EOS = 2
 JUNK = 1  # the target's argmax on rows off the stream: no candidate ever proposes it
 FIRST_TOKEN = 3
@@ -189,7 +191,7 @@ class World:
             "head": _sigmoid(head_logit).astype(np.float32),
         }
 
-    def block(self, req: Request, anchor: int) -> dict[str, np.ndarray]:
+    def block(self, req: Request, anchor: int) -> Block:
         """The drafter's block after stream position `anchor` (the last committed token):
         picks[B], topk_ids[B,K] (column 0 = pick), topk_logits[B,K] (descending), head[B]."""
         blocks = req.blocks
@@ -197,8 +199,7 @@ class World:
         if not 0 <= a < len(blocks["head"]):
             raise ValueError(f"anchor {anchor} lies outside request {req.index}'s reply")
         ids = blocks["topk_ids"][a]
-        return {"picks": ids[:, 0], "topk_ids": ids, "topk_logits": blocks["topk_logits"][a],
-                "head": blocks["head"][a]}
+        return Block(ids[:, 0], ids, blocks["topk_logits"][a], blocks["head"][a])
 
     def noise(self, req: Request, rounds: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-round multiplicative factors (verify, fixed cost D), one-sided above jitter."""

@@ -1,0 +1,68 @@
+"""The one owner of what the caches hold: the token ids whose K/V sit in the target's cache (and
+the drafter's, when there is one), and the invariant that ties them.
+
+Invariant, checked after every commit: target.cache.length == len(ids) (== drafter.length). A
+failure half-way through a prefill or a round leaves the caches undefined, so `guard()` resets
+all three and the next request starts clean. The engine and the speculator change the ids only
+through this object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class CachedTokens:
+    def __init__(self, target: Any, drafter: Any | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.ids: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def reset(self) -> None:
+        """Forget everything cached (the next request prefills from scratch)."""
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.ids = []
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Reset on any failure inside (the caches may hold part of a prefill or a round)."""
+        try:
+            yield
+        except BaseException:
+            self.reset()
+            raise
+
+    def trusted_prefix(self) -> list[int]:
+        """The ids, unless someone else moved the target's cache: then none is trusted."""
+        if self.target.cache.length != len(self.ids):
+            self.ids = []
+        return self.ids
+
+    def keep(self, n: int) -> None:
+        """Truncate the target to its first n tokens (the drafter follows after the prefill)."""
+        self.target.truncate(n)
+        self.ids = self.ids[:n]
+
+    def prefilled(self, prompt: Iterable[int]) -> None:
+        """The target's cache now holds exactly `prompt`."""
+        self.ids = [int(t) for t in prompt]
+
+    def commit(self, tokens: Iterable[int]) -> None:
+        """The target (and drafter) committed these tokens' rows: record and check."""
+        self.ids.extend(int(t) for t in tokens)
+        self.check()
+
+    def check(self) -> None:
+        length = self.target.cache.length
+        if len(self.ids) != length:
+            raise RuntimeError(f"{len(self.ids)} cached ids, the target's cache holds {length}")
+        if self.drafter is not None and self.drafter.length != length:
+            raise RuntimeError(f"drafter cache holds {self.drafter.length} tokens, the target's "
+                               f"{length}")

@@ -135,14 +135,15 @@ class Linear:
 def exact_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """float32 x W^T whose every row is independent of the other rows in the call.
 
-    The CPU fp32 GEMM computes row blocks of 4 alike but small tails with another kernel, so
-    a row's last bits would depend on how many rows share the call; padding the row count to a
-    multiple of 4 keeps reference verifies bit-for-bit comparable across tree widths."""
+    The CPU fp32 GEMM picks its kernel (and blocking) by the row count and the thread count,
+    so a row's last bits would depend on how many rows share the call; running every call as
+    GEMMs of exactly 4 rows (the last padded with zeros) gives each row one kernel whatever the
+    width, keeping reference verifies bit-for-bit comparable across tree widths."""
     m = x.shape[0]
     pad = -m % 4
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    y = F.linear(x, w)[:m]
+    y = torch.cat([F.linear(x[i:i + 4], w) for i in range(0, m + pad, 4)])[:m]
     return y if bias is None else y + bias
 
 

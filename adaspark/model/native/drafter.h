@@ -20,16 +20,16 @@ struct DraftLayer {
 
 class Drafter {
  public:
-  // cos/sin [positions, head_dim/2]; fc [dim <- taps*dim]; head [V_d <- dim]; w1 [V_d+1, r];
+  // cos/sin [positions, head_dim/2]; fc float32 [dim, taps*dim]; head [V_d <- dim]; w1 [V_d+1, r];
   // w2 [V_d, r]; confidence [dim + r] and its bias; temperature [block].
   Drafter(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
-          int64_t block, double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, QWeight fc,
+          int64_t block, double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor fc,
           torch::Tensor ctx_norm, torch::Tensor mask_embedding, torch::Tensor out_norm,
           QWeight head, torch::Tensor w1, torch::Tensor w2, torch::Tensor confidence,
           double confidence_bias, torch::Tensor temperature)
       : dim_(dim), hs_{n_heads, n_kv_heads, head_dim}, ffn_(ffn), block_(block),
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
-        fc_(std::move(fc)), ctx_norm_(ctx_norm.contiguous()), mask_(mask_embedding.contiguous()),
+        fc_(fc.contiguous()), ctx_norm_(ctx_norm.contiguous()), mask_(mask_embedding.contiguous()),
         out_norm_(out_norm.contiguous()), head_(std::move(head)), w1_(w1.contiguous()),
         w2_(w2.contiguous()), conf_(confidence.contiguous()),
         conf_bias_(static_cast<float>(confidence_bias)), temp_(temperature.contiguous()) {
@@ -53,7 +53,7 @@ class Drafter {
   // taps [n, taps*dim] of tokens at positions start..start+n-1: their context features'
   // K/V into cache slots start..start+n-1 of every layer.
   void append(torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor taps, int64_t start) {
-    TORCH_CHECK(taps.dim() == 2 && taps.size(1) == fc_.k && taps.scalar_type() == torch::kFloat,
+    TORCH_CHECK(taps.dim() == 2 && taps.size(1) == fc_.size(1) && taps.scalar_type() == torch::kFloat,
                 "taps must be float32 [n, taps*dim]");
     const int64_t n = taps.size(0);
     const int64_t capacity = check_cache(cache_k, cache_v, start, n);
@@ -61,8 +61,15 @@ class Drafter {
     taps = taps.contiguous();
     const int64_t kvw = hs_.kv_heads * hs_.hd, half = hs_.hd / 2;
     std::vector<float> feats(n * dim_), kv(n * 2 * kvw);
-    quantize_rows(taps.data_ptr<float>(), n, fc_.k, act_);
-    qmatmul_into(fc_, act_, feats.data(), dim_);
+    // fc in float32: the target's residual streams have outlier channels that would coarsen
+    // an int8 block's step for all its other inputs
+    const float* tp = taps.data_ptr<float>();
+    const float* fw = fc_.data_ptr<float>();
+    const int64_t k = fc_.size(1);
+    at::parallel_for(0, dim_, 16, [&](int64_t o0, int64_t o1) {
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t o = o0; o < o1; ++o) feats[r * dim_ + o] = vdot(tp + r * k, fw + o * k, k);
+    });
     rms_norm_rows(feats.data(), ctx_norm_.data_ptr<float>(), feats.data(), n, dim_, eps_);
     quantize_rows(feats.data(), n, dim_, act_);
     for (size_t li = 0; li < layers_.size(); ++li) {
@@ -229,7 +236,7 @@ class Drafter {
   int64_t ffn_, block_;
   float eps_;
   torch::Tensor cos_, sin_;
-  QWeight fc_;
+  torch::Tensor fc_;  // float32 [dim, taps*dim]
   torch::Tensor ctx_norm_, mask_, out_norm_;
   QWeight head_;
   torch::Tensor w1_, w2_, conf_;

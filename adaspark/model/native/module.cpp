@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());
   py::class_<Drafter>(m, "Drafter", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
-                    torch::Tensor, QWeight, torch::Tensor, torch::Tensor, torch::Tensor, QWeight,
+                    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, QWeight,
                     torch::Tensor, torch::Tensor, torch::Tensor, double, torch::Tensor>())
       .def("add_layer", &Drafter::add_layer)
       .def("append", &Drafter::append, py::call_guard<py::gil_scoped_release>())

@@ -48,7 +48,6 @@ from adaspark.scheduler.round import Arm
 from adaspark.speculative import load_speculator
 
 CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
-LLAMA_CPP_TOK_S = 66.5  # llama.cpp on the paper's machine (closing note), for reference only
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,7 +184,6 @@ def main(argv=None) -> int:
         if accepted:
             shares = [sum(a >= d for a in accepted) / len(accepted) for d in range(1, 7)]
             print(f"| {arm} | {len(accepted)} | " + " | ".join(f"{x:.3f}" for x in shares) + " |")
-    print(f"\nllama.cpp on the paper's machine: {LLAMA_CPP_TOK_S} tok/s (not this machine)")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
                                                "accepted_by_drafted_round": depths}) + "\n")

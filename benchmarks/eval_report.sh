@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: eval_report.sh OUT [CAP] [ARMS]}
 CAP=${2:-512}
-ARMS=${3:-ar,chain3,chain,tree:8,tree:16,cost,adaspark:2,adaspark:4,adaspark:8,adaspark+plain,adaspark+gate,adaspark}
+ARMS=${3:-ar,chain3,chain,tree:8,tree:16,cost,adaspark:2,adaspark:4,adaspark:8,adaspark+plain,adaspark+classes,adaspark+gate,adaspark}
 PORT=${LLAMACPP_PORT:-8080}
 LLAMA_PY=$(cd benchmarks && ../.venv/bin/python -c \
   'from vs_llamacpp import default_venv, venv_python; print(venv_python(default_venv()))')

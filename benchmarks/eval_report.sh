@@ -15,13 +15,19 @@ LLAMA_PY=$(cd benchmarks && ../.venv/bin/python -c \
   'from vs_llamacpp import default_venv, venv_python; print(venv_python(default_venv()))')
 MODEL=$(.venv/bin/adaspark fetch-model)
 
+mkdir -p "$OUT"
 if [ -x "$LLAMA_PY" ]; then
   "$LLAMA_PY" -m pip install -q --disable-pip-version-check uvicorn fastapi sse-starlette \
     "starlette-context<0.4" pydantic-settings PyYAML
   "$LLAMA_PY" -m llama_cpp.server --model "$MODEL" --n_threads 2 --n_threads_batch 2 \
-    --n_ctx 8192 --logits_all false --host 127.0.0.1 --port "$PORT" >"$OUT.llamacpp.log" 2>&1 &
+    --n_ctx 8192 --logits_all false --host 127.0.0.1 --port "$PORT" >"$OUT/llamacpp-server.log" 2>&1 &
   SERVER=$!
   trap 'kill $SERVER 2>/dev/null || true' EXIT
+  for _ in $(seq 120); do  # the model loads in seconds; the harness then checks /v1/models
+    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && break
+    kill -0 "$SERVER" 2>/dev/null || { echo "llama.cpp server died: $OUT/llamacpp-server.log"; exit 1; }
+    sleep 1
+  done
   .venv/bin/adaspark bench --arms llamacpp --url "llamacpp=http://127.0.0.1:$PORT" \
     --cap "$CAP" --out "$OUT" --no-progress
   kill "$SERVER"; wait "$SERVER" 2>/dev/null || true

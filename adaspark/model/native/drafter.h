@@ -23,9 +23,10 @@ class Drafter {
   // cos/sin [positions, head_dim/2]; fc float32 [dim, taps*dim]; head [V_d <- dim]; w1 [V_d+1, r];
   // w2 [V_d, r]; confidence [dim + r] and its bias; temperature [block].
   Drafter(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
-          int64_t block, double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor fc,
-          torch::Tensor ctx_norm, torch::Tensor mask_embedding, torch::Tensor out_norm,
-          QWeight head, torch::Tensor w1, torch::Tensor w2, torch::Tensor confidence,
+          int64_t block, double eps, torch::Tensor rope_cos, torch::Tensor rope_sin,
+          torch::Tensor fc, torch::Tensor ctx_norm, torch::Tensor mask_embedding,
+          torch::Tensor out_norm, QWeight head, torch::Tensor w1, torch::Tensor w2,
+          torch::Tensor confidence,
           double confidence_bias, torch::Tensor temperature)
       : dim_(dim), hs_{n_heads, n_kv_heads, head_dim}, ffn_(ffn), block_(block),
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
@@ -53,7 +54,8 @@ class Drafter {
   // taps [n, taps*dim] of tokens at positions start..start+n-1: their context features'
   // K/V into cache slots start..start+n-1 of every layer.
   void append(torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor taps, int64_t start) {
-    TORCH_CHECK(taps.dim() == 2 && taps.size(1) == fc_.size(1) && taps.scalar_type() == torch::kFloat,
+    TORCH_CHECK(taps.dim() == 2 && taps.size(1) == fc_.size(1) &&
+                    taps.scalar_type() == torch::kFloat,
                 "taps must be float32 [n, taps*dim]");
     const int64_t n = taps.size(0);
     const int64_t capacity = check_cache(cache_k, cache_v, start, n);
@@ -123,16 +125,8 @@ class Drafter {
       }
       attend(hs_, qkv.data(), qkvw, kl, vl, start, capacity,
              reinterpret_cast<const bool*>(all.data()), B, attn.data());
-      quantize_rows(attn.data(), B, qw, act_);
-      qmatmul_into(ly.o, act_, y.data(), dim_);
-      for (int64_t i = 0; i < B * dim_; ++i) x[i] += y[i];
-      rms_norm_rows(x.data(), ly.ffn_norm.data_ptr<float>(), h.data(), B, dim_, eps_);
-      quantize_rows(h.data(), B, dim_, act_);
-      qmatmul_into(ly.gate_up, act_, gu.data(), 2 * ffn_);
-      silu_mul(gu.data(), act.data(), B, ffn_);
-      quantize_rows(act.data(), B, ffn_, act_);
-      qmatmul_into(ly.down, act_, y.data(), dim_);
-      for (int64_t i = 0; i < B * dim_; ++i) x[i] += y[i];
+      attn_out_and_ffn(ly, x.data(), attn.data(), B, dim_, qw, ffn_, eps_, act_, h.data(), y.data(),
+                       gu.data(), act.data());
     }
     auto hidden = torch::empty({B, dim_}, torch::kFloat);
     rms_norm_rows(x.data(), out_norm_.data_ptr<float>(), hidden.data_ptr<float>(), B, dim_, eps_);

@@ -721,4 +721,23 @@ void silu_mul(const float* gu, float* act, int64_t n, int64_t ffn) {
   }
 }
 
+// The rest of a pre-norm block after attention, on rows x [n, dim]: x += o(attn), then
+// x += down(silu(gate(h)) * up(h)) with h = rms_norm(x) (ly: the target's or the drafter's
+// layer). h, y, gu, act: scratch of n * dim, n * dim, n * 2 * ffn and n * ffn floats.
+template <class L>
+void attn_out_and_ffn(const L& ly, float* x, const float* attn, int64_t n, int64_t dim,
+                      int64_t qw, int64_t ffn, float eps, QAct& a, float* h, float* y, float* gu,
+                      float* act) {
+  quantize_rows(attn, n, qw, a);
+  qmatmul_into(ly.o, a, y, dim);
+  for (int64_t i = 0; i < n * dim; ++i) x[i] += y[i];
+  rms_norm_rows(x, ly.ffn_norm.template data_ptr<float>(), h, n, dim, eps);
+  quantize_rows(h, n, dim, a);
+  qmatmul_into(ly.gate_up, a, gu, 2 * ffn);
+  silu_mul(gu, act, n, ffn);
+  quantize_rows(act, n, ffn, a);
+  qmatmul_into(ly.down, a, y, dim);
+  for (int64_t i = 0; i < n * dim; ++i) x[i] += y[i];
+}
+
 }  // namespace adaspark

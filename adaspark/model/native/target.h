@@ -88,17 +88,8 @@ class Model {
       place_qkv(ly, qkv.data(), n, pos, kl, vl, start, capacity);
       attend(Heads{heads_, kv_heads_, hd_}, qkv.data(), qkvw, kl, vl, start, capacity,
              anc.data_ptr<bool>(), n, attn.data());
-      quantize_rows(attn.data(), n, qw, a);
-      qmatmul_into(ly.o, a, y.data(), dim_);
-      for (int64_t i = 0; i < n * dim_; ++i) x[i] += y[i];
-
-      rms_norm_rows(x.data(), ly.ffn_norm.data_ptr<float>(), h.data(), n, dim_, eps_);
-      quantize_rows(h.data(), n, dim_, a);
-      qmatmul_into(ly.gate_up, a, gu.data(), 2 * ffn_);
-      silu_mul(gu.data(), act.data(), n, ffn_);
-      quantize_rows(act.data(), n, ffn_, a);
-      qmatmul_into(ly.down, a, y.data(), dim_);
-      for (int64_t i = 0; i < n * dim_; ++i) x[i] += y[i];
+      attn_out_and_ffn(ly, x.data(), attn.data(), n, dim_, qw, ffn_, eps_, a, h.data(), y.data(),
+                       gu.data(), act.data());
       for (size_t t = 0; t < taps.size(); ++t)
         if (taps[t] == li) std::memcpy(hiddens[t].data_ptr<float>(), x.data(), n * dim_ * 4);
     }

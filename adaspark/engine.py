@@ -216,6 +216,14 @@ class Engine:
         return cls(target, tokenizer, path, speculator)
 
     @property
+    def forward(self) -> str:
+        """Which forward the target runs: native-<instruction set> or torch-<device>. Benchmarks
+        record it, so that arms run on different forwards are never compared by accident."""
+        isa = getattr(self.target, "native_isa", None)
+        device = getattr(getattr(self.target, "device", None), "type", "cpu")
+        return f"native-{isa}" if isa else f"torch-{device}"
+
+    @property
     def context_length(self) -> int:
         capacity = getattr(self.target.cache, "capacity", None)
         return int(capacity if capacity is not None else self.target.config.context_length)

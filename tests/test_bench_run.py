@@ -23,7 +23,9 @@ import pytest
 pytest.importorskip("adaspark.server", reason="the HTTP server (adaspark.server) is not built yet")
 
 from adaspark.bench.report import write_report  # noqa: E402
+from adaspark.bench.runner import check_forward  # noqa: E402
 from adaspark.bench.stats import identical_replies, replies_by_arm  # noqa: E402
+from adaspark.errors import UserError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -186,3 +188,23 @@ def test_request_seeds_differ_by_turn_and_reply_only():
     assert request_sampling(0.7, 4, conv, 0, 0)["seed"] == seeds[(0, 0)]
     assert request_sampling(0.7, 5, conv, 0, 0)["seed"] != seeds[(0, 0)]
     assert request_sampling(0.0, 4, conv, 0, 0) is None
+
+
+def test_every_local_arm_recorded_the_forward_its_server_ran(bench_dir):
+    forwards = json.loads((bench_dir["out"] / "forwards.json").read_text())
+    assert len(forwards) >= 2 and len(set(forwards.values())) == 1
+    assert next(iter(forwards.values())).startswith(("native-", "torch-"))
+
+
+def test_an_arm_on_another_forward_is_refused(tmp_path):
+    log = tmp_path / "x.log"
+    check_forward(tmp_path, "ar", "native-avx512vnni", log)
+    check_forward(tmp_path, "ar", "native-avx512vnni", log)  # a resumed arm
+    check_forward(tmp_path, "chain3", "native-avx512vnni", log)
+    check_forward(tmp_path, "llamacpp", None, log)  # external or unknown: nothing to compare
+    with pytest.raises(UserError, match="torch-cpu forward but ar ran on native-avx512vnni"):
+        check_forward(tmp_path, "adaspark", "torch-cpu", log)
+    assert "adaspark" not in json.loads((tmp_path / "forwards.json").read_text())
+    (tmp_path / "forwards.json").write_text("{not json")
+    with pytest.raises(UserError, match="corrupt"):
+        check_forward(tmp_path, "ar", "native-avx512vnni", log)

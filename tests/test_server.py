@@ -115,7 +115,9 @@ def test_loading_then_ready(served):
     assert chat.status_code == 503
     served["gate"].set()
     _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
-    assert httpx.get(base + "/health").json()["status"] == "ok"
+    health = httpx.get(base + "/health").json()
+    assert health["status"] == "ok"
+    assert health["forward"].startswith(("native-", "torch-"))  # what benchmarks record
     models = httpx.get(base + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [served["model_id"]]
 

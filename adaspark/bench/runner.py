@@ -290,10 +290,37 @@ def run_bench(
                 fresh = not any(arm == run.label for arm, _ in done)
                 server = _local_server(run, out_dir, fresh, serve_args, health_timeout_s)
                 with server, ChatClient(server.url) as client:
+                    check_forward(out_dir, run.label, server.forward, server.log_path)
                     _run_arm(client, run, todo, cap, results, bar, server, temperature, seed)
         finally:
             bar.close()
     return out_dir
+
+
+FORWARDS = "forwards.json"  # arm label -> the forward its server ran (its /health)
+
+
+def check_forward(out_dir: Path, label: str, forward: str | None, log_path: Path) -> None:
+    """Record which forward an arm's server runs, and refuse one that differs from the other
+    arms' in this directory: a stale native build makes a server fall back to the torch path
+    with one log line, and arms on different forwards would be compared as if alike."""
+    if forward is None:
+        return
+    path = out_dir / FORWARDS
+    try:
+        seen = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as err:
+        raise UserError(f"{path} is corrupt ({err}); remove it to record the forwards again"
+                        ) from None
+    other = {arm: f for arm, f in seen.items() if arm != label and f != forward}
+    if other:
+        arm, theirs = next(iter(other.items()))
+        raise UserError(
+            f"arm {label}'s server runs the {forward} forward but {arm} ran on {theirs}: the arms "
+            f"of one bench must share a forward (a stale native build? run scripts/setup.sh); "
+            f"its log: {log_path}")
+    seen[label] = forward
+    path.write_text(json.dumps(seen, indent=1, sort_keys=True) + "\n")
 
 
 def _local_server(run, out_dir, fresh, serve_args, health_timeout_s) -> LocalServer:

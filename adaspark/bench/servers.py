@@ -7,6 +7,7 @@ harness only attaches to (`--url NAME=URL`, e.g. llama.cpp's server).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -130,6 +131,7 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_timeout_s = health_timeout_s
+        self.forward: str | None = None  # what /health says the server's target runs
         command = [sys.executable, "-m", "adaspark.cli", "serve", "--arm", arm]
         command += ["--host", "127.0.0.1", "--port", str(self.port), "--store", str(store)]
         if fresh:
@@ -173,6 +175,10 @@ class LocalServer:
                     )
                 status, body = client.health()
                 if status == 200:
+                    try:
+                        self.forward = json.loads(body).get("forward")
+                    except (ValueError, AttributeError):
+                        self.forward = None
                     return
                 if status is not None and status >= 500 and status != 503:  # 503: still loading
                     raise UserError(f"the server reports {status} on /health: {body}; "

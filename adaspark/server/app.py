@@ -105,8 +105,9 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ready_engine()
-        return JSONResponse({"status": "ok", "model": model_id})
+        engine = ready_engine()
+        return JSONResponse({"status": "ok", "model": model_id,
+                             "forward": getattr(engine, "forward", None)})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

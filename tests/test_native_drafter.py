@@ -10,6 +10,7 @@ import torch
 
 from adaspark.drafter.checkpoint import load_checkpoint
 from adaspark.drafter.loading import DEFAULT_DRAFTER, target_info
+from adaspark.drafter.model import DrafterConfig, DraftModel
 from adaspark.drafter.native import native_drafter
 from adaspark.drafter.runtime import Drafter
 from adaspark.model import native
@@ -169,3 +170,13 @@ def test_the_cache_refuses_positions_past_its_rope_table(module, shipped, fast_m
         d.cache.append(taps)
     with pytest.raises(RuntimeError, match="taps must be float32"):
         d.native.append(d.cache.k, d.cache.v, torch.zeros(2, 5), 0)
+
+
+def test_a_checkpoint_the_native_draft_cannot_take_runs_on_torch(module, fast_model, caplog):
+    ids = torch.arange(256)
+    c = DrafterConfig(target_layers=[1, 14, 27], draft_vocab_size=256, n_heads=12,
+                      n_kv_heads=4, head_dim=48)  # 48 floats: 3 AVX-512 vectors, not taken
+    d = Drafter(DraftModel(c, ids, fast_model.embed(ids)), fast_model.embed, native=module,
+                positions=POSITIONS)
+    assert d.native is None and "torch path runs" in caplog.text
+    assert d.draft(5).picks.shape == (c.block_size,)

@@ -17,12 +17,15 @@ Invariant: d.length == target.cache.length.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
 from adaspark.drafter.model import DraftBlock, DraftModel, Embed
+
+_log = logging.getLogger(__name__)
 
 
 class DrafterCache:
@@ -86,9 +89,13 @@ class Drafter:
         if native is not None:
             from adaspark.drafter.native import NativeCache, native_drafter
 
-            self.native = native_drafter(native, model, positions)
-            dtype = torch.float32  # what stays in torch (ids, embeddings) is float32
-        elif dtype != torch.float32:
+            try:
+                self.native = native_drafter(native, model, positions)
+                dtype = torch.float32  # what stays in torch (ids, embeddings) is float32
+            except RuntimeError as err:  # a shape the native drafter does not take
+                _log.warning("drafter: the native draft cannot run this checkpoint (%s); the "
+                             "torch path runs", str(err).splitlines()[0])
+        if self.native is None and dtype != torch.float32:
             model = copy.deepcopy(model).to(dtype)
             model.head = model.head.to(dtype)
         self.model = model.eval()

@@ -214,10 +214,11 @@ class Speculator:
         record = result.record
         record.arm, record.request = self.arm, request_id
         timing.count_round(record, len(result.committed.emitted))
-        row = record.to_json()
-        self._write(row)
-        for observe in self.observers:
-            observe(row, result.plan)
+        if self.round_log_path is not None or self.observers:  # the JSON row has readers
+            row = record.to_json()
+            self._write(row)
+            for observe in self.observers:
+                observe(row, result.plan)
         if self.round_hook is not None:
             self.round_hook(RoundTrace(result.plan, result.argmax, result.outcome,
                                        list(result.committed.rows), result.committed.emitted))

@@ -92,6 +92,9 @@ class Drafter:
             try:
                 self.native = native_drafter(native, model, positions)
                 dtype = torch.float32  # what stays in torch (ids, embeddings) is float32
+                # target id <-> draft index as numpy, so a round's lookups are no torch ops
+                self._draft_ids = model.draft_ids.numpy()
+                self._to_draft = model.to_draft_table.numpy()
             except RuntimeError as err:  # a shape the native drafter does not take
                 _log.warning("drafter: the native draft cannot run this checkpoint (%s); the "
                              "torch path runs", str(err).splitlines()[0])
@@ -175,12 +178,13 @@ class Drafter:
         return self._draft_torch(anchor_t, noise)
 
     def _draft_native(self, anchor_t: torch.Tensor, noise: torch.Tensor | None) -> DraftBlock:
-        m, cache = self.model, self._cache
+        cache, anchor = self._cache, int(anchor_t)
+        # the anchor's draft index; ids past the table are outside the draft vocabulary
+        prev = int(self._to_draft[anchor]) if anchor < len(self._to_draft) else len(self._draft_ids)
         picks, top_i, top_v, conf = self.native.draft(
-            cache.k, cache.v, self.embed(anchor_t)[0].float(), cache.length,
-            int(m.to_draft(anchor_t)), self.shortlist, self.topk,
-            torch.empty(0) if noise is None else noise.float())
-        ids = m.draft_ids.numpy()
+            cache.k, cache.v, self.embed(anchor_t)[0].float(), cache.length, prev,
+            self.shortlist, self.topk, torch.empty(0) if noise is None else noise.float())
+        ids = self._draft_ids
         return DraftBlock(picks=ids[picks.numpy()], topk_ids=ids[top_i.numpy()],
                           topk_logits=top_v.numpy(), head=conf.numpy())
 

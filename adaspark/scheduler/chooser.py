@@ -140,6 +140,7 @@ class Chooser:
         self.rates: dict[int, BandRate] = {}
         self.incumbent: int | None = None
         self.held_rounds = 0
+        self.best_width: int | None = None  # the last choose()'s best, before hysteresis
         self._round: dict | None = None           # the last choose()'s inputs, for wins()
 
     # ----- choosing ----------------------------------------------------------------------
@@ -214,6 +215,7 @@ class Chooser:
         scores = self._scores(offers, s_drafter, s_ngram, fixed_ms, context)
         widths = [w for w, _ in offers]
         best = max(widths, key=lambda w: (scores[w], -w))       # ties go narrower
+        self.best_width = best  # before hysteresis (the round log's n-gram evidence reads it)
         if self.incumbent not in scores:
             # The first incumbent is the widest offered width, so the gains above n₀ can learn;
             # an incumbent no longer offered is simply left.

@@ -383,13 +383,12 @@ class Scheduler:
         offers = self.cost.offers(ctx)
         s_drafter, s_ngram = ranking.S_drafter.tolist(), ranking.S_ngram.tolist()
         fixed_ms = self.cost.fixed_cost(ctx)
-        widened = False
+        alone = None
         if s_ngram and s_ngram[-1] > 0.0:  # Corollary 4's evidence, scored before choose()
             alone, _ = self.chooser.best(offers, s_drafter, [0.0] * len(s_ngram), fixed_ms, ctx)
-            merged, _ = self.chooser.best(offers, s_drafter, s_ngram, fixed_ms, ctx)
-            widened = merged > alone
         # choose() scores last: its round is the one wins() and tokens() read afterwards
         width = self.chooser.choose(offers, s_drafter, s_ngram, fixed_ms, ctx)
+        widened = alone is not None and self.chooser.best_width > alone
         return width, ChosenBy.CHOOSER, [w for w, _ in offers], dict(offers).get(width), widened
 
     def _price(self, width: int, ctx: int) -> float | None:

@@ -619,15 +619,15 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride, const uint
             vstore(keys[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
       };
       const uint16_t* ks[W];
-      for (int64_t s0 = 0; s0 < start; s0 += W) {  // committed slots: shared by the queries
-        const int64_t count = std::min<int64_t>(W, start - s0);
-        for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
-        load_keys(ks, count);
+      // whole groups of committed slots, shared by the queries; a partial last group is
+      // scored per query below, together with the row's ancestors that follow it
+      for (int64_t s0 = 0; s0 + W <= start; s0 += W) {
+        for (int j = 0; j < W; ++j) ks[j] = kg + (s0 + j) * hd;
+        load_keys(ks, W);
         for (int i = 0; i < kQueries; ++i) score(i, s0);
       }
       for (int i = 0; i < kQueries; ++i) {  // the row's ancestors, then its softmax
         float* sc = scores.data() + i * stride;
-        // the committed tail of a partial group is recomputed with the ancestors after it
         int64_t s0 = start / W * W, count = start - s0;
         for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
         m[i] = start;

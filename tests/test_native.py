@@ -179,6 +179,18 @@ def test_every_build_multiplies_bit_for_bit_alike(gguf):
             assert torch.equal(got, results[0])
 
 
+@pytest.mark.parametrize("qtype,zero", [("Q8_0", 128), ("Q4_0", 8), ("Q4_1", 0)])
+def test_symmetric_blocks_are_multiplied_in_integers(qtype, zero):
+    """Q8_0 (m = -128 d) and Q4_0 (m = -8 d) take the integer path (sum(u*q) - zero*sum(q));
+    Q4_1's free minimums keep their float term. Both stay near the float64 reference."""
+    module = module_for(BUILDS[0]) if BUILDS else pytest.skip("no native build runs here")
+    t = random_tensor(qtype, 32, 96, seed=5)
+    w = native.pack(module, [t])
+    assert w.zero == zero
+    x = np.random.default_rng(6).standard_normal((5, 96)).astype(np.float32)
+    check_against_float64(t, x, w.matmul(torch.from_numpy(x)).double().numpy())
+
+
 @pytest.mark.parametrize("qtype,n,k", CASES)
 def test_amx_tiles_give_the_vnni_path_bits(qtype, n, k):
     """Where the CPU and OS allow AMX, calls of 8 rows or more use the tiles: the same integer
@@ -188,9 +200,9 @@ def test_amx_tiles_give_the_vnni_path_bits(qtype, n, k):
         pytest.skip("no AMX tiles here (CPU, OS or ADASPARK_AMX=off)")
     t = random_tensor(qtype, n, k, seed=3 * n + k)
     w = native.pack(module, [t])
-    x = torch.from_numpy(np.random.default_rng(4).standard_normal((21, k)).astype(np.float32))
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((33, k)).astype(np.float32))
     try:
-        for rows in (8, 16, 21):
+        for rows in (8, 16, 17, 21, 24, 33):  # one row tile, or several (the last overlapping)
             tiles = w.matmul(x[:rows])
             module.use_amx(False)
             vnni = w.matmul(x[:rows])

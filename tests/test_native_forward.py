@@ -9,6 +9,7 @@ import torch
 from test_model_forward import CHAIN, PARENTS, PROMPT, TAPS, TREE_TOKENS, ancestors, depths
 
 from adaspark.model import native, transformer
+from adaspark.model.cache import KVCache
 from adaspark.model.transformer import Transformer
 
 pytestmark = pytest.mark.slow
@@ -118,3 +119,43 @@ def test_bad_rows_are_refused(model):
     with pytest.raises(RuntimeError, match="token id out of range"):
         model.native.forward(model.cache.k, model.cache.v, torch.tensor([10**6]),
                              torch.tensor([10]), 10, torch.ones(1, 1, dtype=torch.bool), [])
+
+
+def test_sequences_batched_in_one_call_equal_each_alone(model):
+    """Rows of two sequences, each over its own cache, share one forward (the matmuls see them
+    all, attention keeps each row to its sequence): every row's output and K/V are those of its
+    sequence's call alone."""
+    f = model.native
+    c = model.config
+    caches = [KVCache(c.n_layers, c.n_kv_heads, c.head_dim, 64, torch.float16) for _ in range(2)]
+    contexts = [PROMPT, PROMPT[3:] + PROMPT[:2]]
+    rows = [TREE_TOKENS[:3], CHAIN[:2]]
+    trees = [torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
+             torch.ones(2, 2, dtype=torch.bool).tril()]
+    alone = []
+    for cache, context, tokens, anc in zip(caches, contexts, rows, trees, strict=True):
+        n = len(context)
+        f.forward(cache.k, cache.v, torch.tensor(context), torch.arange(n), 0,
+                  torch.ones(n, n, dtype=torch.bool).tril(), [])
+        depth = anc.sum(1) - 1
+        out = f.forward(cache.k, cache.v, torch.tensor(tokens), n + depth, n, anc, [TAPS[0]])
+        alone.append((out, cache.k[:, :, :, n:n + len(tokens)].clone()))
+    anc = torch.block_diag(*trees)
+    positions = torch.cat([len(c) + a.sum(1) - 1 for c, a in zip(contexts, trees, strict=True)])
+    out, hiddens = f.forward_batch([c.k for c in caches], [c.v for c in caches],
+                                   [len(c) for c in contexts], [len(r) for r in rows],
+                                   torch.tensor(rows[0] + rows[1]), positions, anc, [TAPS[0]])
+    split = [0, len(rows[0]), len(rows[0]) + len(rows[1])]
+    for s, ((rows_alone, hid_alone), k_alone) in enumerate(alone):
+        assert torch.equal(out[split[s]:split[s + 1]], rows_alone)
+        assert torch.equal(hiddens[:, split[s]:split[s + 1]], hid_alone)
+        n = len(contexts[s])
+        assert torch.equal(caches[s].k[:, :, :, n:n + len(rows[s])], k_alone)
+    with pytest.raises(RuntimeError, match="anc joins rows of two sequences"):
+        f.forward_batch([c.k for c in caches], [c.v for c in caches], [10, 10], [1, 1],
+                        torch.tensor([5, 6]), torch.tensor([10, 10]),
+                        torch.ones(2, 2, dtype=torch.bool), [])
+    with pytest.raises(RuntimeError, match="a cache of its own"):
+        f.forward_batch([caches[0].k] * 2, [caches[0].v] * 2, [10, 12], [1, 1],
+                        torch.tensor([5, 6]), torch.tensor([10, 12]),
+                        torch.eye(2, dtype=torch.bool), [])

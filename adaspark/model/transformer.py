@@ -279,7 +279,7 @@ class Transformer:
         model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
                              self.rope_cos, self.rope_sin, self.tok_embeddings, self.norm,
                              native.pack(module, [w.raw(head)]), head_f32,
-                             native.error_scales(w.raw(head)))
+                             native.error_scales(w.raw(head)), native.row_norms(head_f32))
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."

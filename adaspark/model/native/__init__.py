@@ -138,9 +138,11 @@ def pack_blocks(module: ModuleType, parts: Sequence[Blocks]):
     for a, full in zip(half, (d, m), strict=True):  # m = -8d or -128d must stay exact
         if not np.array_equal(a.astype(np.float32).transpose(0, 2, 1).reshape(-1, nb), full):
             raise ValueError("a block scale does not fit fp16 exactly")
+    middle = 1 << (bits - 1)  # Q8_0's m = -128 d and Q4_0's m = -8 d: integer arithmetic
+    zero = middle if np.array_equal(m, -middle * d) else 0
     return module.QWeight(bits, n, nb * GROUP,
                           torch.from_numpy(np.ascontiguousarray(q).reshape(-1)),
-                          *(torch.from_numpy(a.reshape(-1)) for a in half))
+                          *(torch.from_numpy(a.reshape(-1)) for a in half), zero)
 
 
 def error_scales(t: GGUFTensor) -> torch.Tensor:
@@ -151,6 +153,12 @@ def error_scales(t: GGUFTensor) -> torch.Tensor:
     w = np.abs(d[..., None] * u.astype(np.float32) + m[..., None]).sum(-1)
     terms = (np.abs(d[..., None] * u.astype(np.float32)) + np.abs(m[..., None])).sum(-1)
     return torch.from_numpy(np.stack([w.max(0), terms.max(0)]).astype(np.float32) * (1 + 2**-10))
+
+
+def row_norms(w: torch.Tensor) -> torch.Tensor:
+    """float32 [rows]: each row's Euclidean norm, rounded up (target.h's head bounds a logit's
+    activation rounding by it)."""
+    return (w.double().norm(dim=-1) * (1 + 2**-20)).float()
 
 
 def packable(tensors: Sequence[GGUFTensor]) -> bool:

@@ -84,6 +84,34 @@ inline float vsum(vf a) {
 }
 #endif
 
+// int32 lanes: float -> int32 rounding to nearest even (the default MXCSR mode, as
+// std::nearbyint), stores as int8 (values already in -127..127), sums.
+#ifdef ADASPARK_AVX512
+using vi = __m512i;
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vi vround_i(vf a) { return _mm512_cvtps_epi32(a); }
+inline vi vadd_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline int32_t vsum_i(vi a) { return _mm512_reduce_add_epi32(a); }
+inline void vstore_i8(int8_t* p, vi a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(a));
+}
+#else
+using vi = __m256i;
+inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+inline vi vround_i(vf a) { return _mm256_cvtps_epi32(a); }
+inline vi vadd_i(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline int32_t vsum_i(vi a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+inline void vstore_i8(int8_t* p, vi a) {
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w16, w16));
+}
+#endif
+
 // exp by range reduction and a degree-6 polynomial (Cephes' expf), ~2 ulp; inputs below -87
 // are clamped (their exp underflows softmax weights to nothing anyway).
 inline vf vexp(vf x) {
@@ -146,16 +174,20 @@ int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // output), so one vector op multiplies a chunk of 4 inputs into 16 outputs at once and the
 // outputs stay in separate lanes (no horizontal sums). bits 4: chunks 2i and 2i+1 share 64
 // bytes as low and high nibbles. d, m: fp16 [groups, blocks, 16] (GGUF's own fp16 scales).
+// zero: where every m is -zero*d (Q8_0: 128, Q4_0: 8) a block's dot is d*dx*(sum(u*q) -
+// zero*sum(q)), all in integers but one product; 0 where m is free (Q4_1): the m term in float.
 struct QWeight {
-  int64_t bits, n, k, nb, groups;
+  int64_t bits, n, k, nb, groups, zero;
   torch::Tensor q, d, m;
   const uint8_t* qp;  // raw pointers, read once: data_ptr() checks types on every call
   const uint16_t *dp, *mp;
 
   QWeight(int64_t bits_, int64_t n_, int64_t k_, torch::Tensor q_, torch::Tensor d_,
-          torch::Tensor m_)
-      : bits(bits_), n(n_), k(k_), q(q_.contiguous()), d(d_.contiguous()), m(m_.contiguous()) {
+          torch::Tensor m_, int64_t zero_)
+      : bits(bits_), n(n_), k(k_), zero(zero_), q(q_.contiguous()), d(d_.contiguous()),
+        m(m_.contiguous()) {
     TORCH_CHECK(bits == 4 || bits == 8, "weight bits must be 4 or 8");
+    TORCH_CHECK(zero == 0 || zero == 1 << (bits - 1), "zero must be 0 or the middle of u's range");
     TORCH_CHECK(k % kBlock == 0, "weight inputs must be a multiple of 32");
     nb = k / kBlock;
     groups = (n + 15) / 16;
@@ -172,11 +204,26 @@ struct QWeight {
   int64_t block_bytes() const { return 16 * kBlock * bits / 8; }  // one block of 16 outputs
 };
 
-// Rows of activations quantised per block of 32: q int8 [rows, k], dx [rows, nb] and
-// xs = dx * sum(q) [rows, nb].
+// Asks for group g's packed weights and scales ahead of their use: the hardware prefetcher
+// alone leaves the kernels waiting on memory between groups.
+inline void prefetch_group(const QWeight& w, int64_t g) {
+  if (g >= w.groups) return;
+  const char* q = reinterpret_cast<const char*>(w.qp + g * w.nb * w.block_bytes());
+  for (int64_t i = 0; i < w.nb * w.block_bytes(); i += 64) _mm_prefetch(q + i, _MM_HINT_T0);
+  const char* d = reinterpret_cast<const char*>(w.dp + g * w.nb * 16);
+  const char* m = reinterpret_cast<const char*>(w.mp + g * w.nb * 16);
+  for (int64_t i = 0; i < w.nb * 32; i += 64) {
+    _mm_prefetch(d + i, _MM_HINT_T0);
+    _mm_prefetch(m + i, _MM_HINT_T0);
+  }
+}
+
+// Rows of activations quantised per block of 32: q int8 [rows, k], dx [rows, nb], the integer
+// sums qs = sum(q) [rows, nb] and xs = dx * qs.
 struct QAct {
   int64_t rows = 0, k = 0, nb = 0;
   std::vector<int8_t> q;
+  std::vector<int32_t> qs;
   std::vector<float> dx, xs;
 };
 
@@ -187,23 +234,27 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QAct& a) {
   a.nb = nb;
   a.q.resize(rows * k);  // kept between calls: no page faults per call
   a.dx.resize(rows * nb);
+  a.qs.resize(rows * nb);
   a.xs.resize(rows * nb);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * k + b * kBlock;
-      float amax = 0.0f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      vf top = vzero();
+      for (int i = 0; i < kBlock; i += W) top = vmax(top, vabs(vload(xb + i)));
+      const float amax = hmax(top);
       const float d = amax / 127.0f;
-      const float id = d > 0.0f ? 127.0f / amax : 0.0f;
+      const vf id = vset1(d > 0.0f ? 127.0f / amax : 0.0f);
       int8_t* qb = a.q.data() + r * k + b * kBlock;
-      int sum = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * id));
-        qb[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
-        sum += qb[i];
+      vi sum = vround_i(vzero());
+      for (int i = 0; i < kBlock; i += W) {  // clamping before rounding: the same integers
+        const vi q = vround_i(vmin(vmax(vmul(vload(xb + i), id), vset1(-127.0f)), vset1(127.0f)));
+        vstore_i8(qb + i, q);
+        sum = vadd_i(sum, q);
       }
+      const int32_t total = vsum_i(sum);
       a.dx[r * nb + b] = d;
-      a.xs[r * nb + b] = d * static_cast<float>(sum);
+      a.qs[r * nb + b] = total;
+      a.xs[r * nb + b] = d * static_cast<float>(total);
     }
   }
 }
@@ -250,8 +301,13 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
       }
       const __m512i s = _mm512_add_epi32(s0, s1);
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
-      acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+      if (w.zero) {
+        const __m512i c = _mm512_sub_epi32(s, _mm512_set1_epi32(w.zero * a.qs[r * a.nb + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, acc[i]);
+      } else {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+      }
     }
   }
   const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
@@ -295,8 +351,13 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
           }
         }
         const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.dx[r * a.nb + b]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
-        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+        if (w.zero) {
+          const __m256i c = _mm256_sub_epi32(s, _mm256_set1_epi32(w.zero * a.qs[r * a.nb + b]));
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), scale, acc[i]);
+        } else {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
+          acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.xs[r * a.nb + b]), acc[i]);
+        }
       }
     }
     const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
@@ -314,10 +375,12 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
 //
 // One tile multiply (tdpbsud: int8 activations x uint8 weights, int32 sums) does a block of 32
 // inputs for up to 16 rows x 16 outputs. The weights' packed layout is already the B tile's
-// (8 chunks of 4 inputs x 16 outputs, 64 bytes each); 4-bit chunks are split into bytes in
-// L1 first. The integer sums equal vpdpbusd's and the float steps per (row, 16 outputs) are
-// group_rows' own, so a row comes out bit-identical on either path: which path a call takes
-// (by its row count) cannot change a row.
+// (8 chunks of 4 inputs x 16 outputs, 64 bytes each), loaded straight from the weight: a tile
+// load of bytes just stored waits for the stores to retire, which costs more than the multiply
+// (so 8-bit blocks are never rewritten first); 4-bit chunks are split into bytes in L1. The
+// integer sums equal vpdpbusd's and the float steps per (row, 16 outputs) are group_rows' own,
+// so a row comes out bit-identical on either path: which path a call takes (by its row count)
+// cannot change a row.
 
 // Whether this process may use AMX: the CPU has AMX-TILE and AMX-INT8, ADASPARK_AMX is not
 // "off", and Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM).
@@ -349,28 +412,33 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0/1: sums [R rows x 16 outputs] int32 of two blocks; 2/3: activations [R x 32 bytes];
-// 4/5: weights [8 x 64 bytes]. Two blocks in flight: the tile registers are not renamed, so
-// one block at a time would wait on each multiply and each store.
+// Tiles 0-3: sums [R rows x 16 outputs] int32 of four blocks; 4/5: activations [R x 32
+// bytes]; 6/7: weights [8 x 64 bytes]. Four blocks in flight: the tile registers are not
+// renamed, so fewer would leave each multiply and store waiting on the one before.
 inline void amx_configure(int64_t R) {
   TileConfig cfg;
-  for (int t = 0; t < 2; ++t) {
-    cfg.rows[t] = cfg.rows[2 + t] = static_cast<uint8_t>(R);
+  for (int t = 0; t < 4; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(R);
     cfg.colsb[t] = 64;
-    cfg.colsb[2 + t] = kBlock;
-    cfg.rows[4 + t] = 8;
-    cfg.colsb[4 + t] = 64;
+  }
+  for (int t = 4; t < 6; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(R);
+    cfg.colsb[t] = kBlock;
+    cfg.rows[t + 2] = 8;
+    cfg.colsb[t + 2] = 64;
   }
   _tile_loadconfig(&cfg);
 }
 
-// The B tile of block b of group g: 4-bit weights split into bytes in `bytes` first.
-inline const void* weight_tile(const QWeight& w, int64_t g, int64_t b, uint8_t* bytes) {
-  const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes();
-  if (w.bits == 8) return qb;
+// Group g's B tiles, one per block (512 bytes each): the packed weight itself for 8 bits; for
+// 4 bits every block's nibbles split into bytes in `bytes` [nb * 512] first, all before the
+// first tile load reads them (a tile load waits for the stores before it to retire).
+inline const uint8_t* weight_tiles(const QWeight& w, int64_t g, uint8_t* bytes) {
+  const uint8_t* qg = w.qp + g * w.nb * w.block_bytes();
+  if (w.bits == 8) return qg;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int i = 0; i < 4; ++i) {
-    const __m512i v = _mm512_loadu_si512(qb + 64 * i);
+  for (int64_t i = 0; i < 4 * w.nb; ++i) {
+    const __m512i v = _mm512_loadu_si512(qg + 64 * i);
     _mm512_store_si512(bytes + 128 * i, _mm512_and_si512(v, low4));
     _mm512_store_si512(bytes + 128 * i + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
   }
@@ -383,6 +451,16 @@ inline void scale_block(const QWeight& w, const QAct& a, int64_t g, int64_t b, i
                         const int32_t* sums, __m512* acc) {
   const int64_t at = (g * w.nb + b) * 16;
   const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dp + at)));
+  if (w.zero) {
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const __m512i c = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * i),
+                                         _mm512_set1_epi32(w.zero * a.qs[r * a.nb + b]));
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, acc[i]);
+    }
+    return;
+  }
   const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mp + at)));
   for (int i = 0; i < R; ++i) {
     const int64_t r = r0 + i;
@@ -393,58 +471,73 @@ inline void scale_block(const QWeight& w, const QAct& a, int64_t g, int64_t b, i
   }
 }
 
-// y[r, 16g .. 16g+15] for rows [r0, r0+R), R <= 16, tiles configured for R rows. Blocks are
-// added to each accumulator in order, as in group_rows.
+// Block b's integer sums into tile C: activations through tile A, weights through tile B.
+#define ADASPARK_AMX_BLOCK(C, A, B, b)            \
+  do {                                            \
+    _tile_zero(C);                                \
+    _tile_loadd(A, x + (b) * kBlock, a.k);        \
+    _tile_loadd(B, tiles + (b) * 512, 64);        \
+    _tile_dpbsud(C, A, B);                        \
+  } while (0)
+
+// y[r, 16g .. 16g+15] for rows [r0, r0+R), R <= 16, tiles configured for R rows, the group's
+// B tiles from weight_tiles. Blocks are added to each accumulator in order, as in group_rows.
 template <int R>
-void group_rows_amx(const QWeight& w, const QAct& a, int64_t g, int64_t r0, float* y,
-                    int64_t ldy) {
-  alignas(64) uint8_t bytes[2][512];
-  alignas(64) int32_t sums[2][16 * 16];
+void group_rows_amx(const QWeight& w, const QAct& a, int64_t g, const uint8_t* tiles,
+                    int64_t r0, float* y, int64_t ldy) {
+  alignas(64) int32_t sums[4][16 * 16];
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const int8_t* x = a.q.data() + r0 * a.k;
   int64_t b = 0;
-  for (; b + 2 <= w.nb; b += 2) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, x + b * kBlock, a.k);
-    _tile_loadd(3, x + (b + 1) * kBlock, a.k);
-    _tile_loadd(4, weight_tile(w, g, b, bytes[0]), 64);
-    _tile_loadd(5, weight_tile(w, g, b + 1, bytes[1]), 64);
-    _tile_dpbsud(0, 2, 4);
-    _tile_dpbsud(1, 3, 5);
+  for (; b + 4 <= w.nb; b += 4) {
+    ADASPARK_AMX_BLOCK(0, 4, 6, b);
+    ADASPARK_AMX_BLOCK(1, 5, 7, b + 1);
+    ADASPARK_AMX_BLOCK(2, 4, 6, b + 2);
+    ADASPARK_AMX_BLOCK(3, 5, 7, b + 3);
     _tile_stored(0, sums[0], 64);
     _tile_stored(1, sums[1], 64);
-    scale_block<R>(w, a, g, b, r0, sums[0], acc);
-    scale_block<R>(w, a, g, b + 1, r0, sums[1], acc);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    for (int j = 0; j < 4; ++j) scale_block<R>(w, a, g, b + j, r0, sums[j], acc);
   }
-  if (b < w.nb) {
-    _tile_zero(0);
-    _tile_loadd(2, x + b * kBlock, a.k);
-    _tile_loadd(4, weight_tile(w, g, b, bytes[0]), 64);
-    _tile_dpbsud(0, 2, 4);
-    _tile_stored(0, sums[0], 64);
-    scale_block<R>(w, a, g, b, r0, sums[0], acc);
-  }
+  const int64_t left = w.nb - b;
+  if (left > 0) ADASPARK_AMX_BLOCK(0, 4, 6, b);
+  if (left > 1) ADASPARK_AMX_BLOCK(1, 5, 7, b + 1);
+  if (left > 2) ADASPARK_AMX_BLOCK(2, 4, 6, b + 2);
+  if (left > 0) _tile_stored(0, sums[0], 64);
+  if (left > 1) _tile_stored(1, sums[1], 64);
+  if (left > 2) _tile_stored(2, sums[2], 64);
+  for (int j = 0; j < left; ++j) scale_block<R>(w, a, g, b + j, r0, sums[j], acc);
   const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
   for (int i = 0; i < R; ++i)
     _mm512_mask_storeu_ps(y + (r0 + i) * ldy + 16 * g, static_cast<__mmask16>((1u << valid) - 1), acc[i]);
 }
+#undef ADASPARK_AMX_BLOCK
 
 template <int... Rs>
-void amx_rows_dispatch(int64_t R, const QWeight& w, const QAct& a, int64_t g, int64_t r0,
-                       float* y, int64_t ldy, std::integer_sequence<int, Rs...>) {
-  ((R == Rs + 1 ? (group_rows_amx<Rs + 1>(w, a, g, r0, y, ldy), 0) : 0), ...);
+void amx_rows_dispatch(int64_t R, const QWeight& w, const QAct& a, int64_t g,
+                       const uint8_t* tiles, int64_t r0, float* y, int64_t ldy,
+                       std::integer_sequence<int, Rs...>) {
+  ((R == Rs + 1 ? (group_rows_amx<Rs + 1>(w, a, g, tiles, r0, y, ldy), 0) : 0), ...);
 }
 
-// Rows [0, tiles*R) of every group through the tiles, R = min(rows, 16) each.
-void qmatmul_amx(const QWeight& w, const QAct& a, float* y, int64_t ldy, int64_t R,
-                 int64_t tiles) {
+// Every row through the tiles: ceil(rows / 16) row tiles of R = ceil(rows / tiles) rows, the
+// last one ending at the last row (rows two tiles share come out the same from both).
+void qmatmul_amx(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
+  const int64_t count = (a.rows + 15) / 16, R = (a.rows + count - 1) / count;
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
     amx_configure(R);  // tile state is per thread
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t t = 0; t < tiles; ++t)
-        amx_rows_dispatch(R, w, a, g, t * R, y, ldy, std::make_integer_sequence<int, 16>{});
+    thread_local std::vector<uint8_t> raw;  // the group's 4-bit blocks as bytes, 64-aligned
+    raw.resize(w.nb * 512 + 64);
+    uint8_t* bytes = raw.data() + (-reinterpret_cast<uintptr_t>(raw.data()) & 63);
+    for (int64_t g = g0; g < g1; ++g) {
+      prefetch_group(w, g + 1);
+      const uint8_t* tiles = weight_tiles(w, g, bytes);
+      for (int64_t t = 0; t < count; ++t)
+        amx_rows_dispatch(R, w, a, g, tiles, std::min(t * R, a.rows - R), y, ldy,
+                          std::make_integer_sequence<int, 16>{});
+    }
     _tile_release();
   });
 }
@@ -454,18 +547,13 @@ void qmatmul_amx(const QWeight& w, const QAct& a, float* y, int64_t ldy, int64_t
 void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
   TORCH_CHECK(a.k == w.k, "activation width differs from the weight's inputs");
   constexpr int R = 4;
-  int64_t done = 0;  // rows the tiles took
 #ifdef ADASPARK_AVX512
-  if (a.rows >= kAmxMinRows && amx_on()) {
-    const int64_t tile_rows = std::min<int64_t>(a.rows, 16);
-    done = a.rows / tile_rows * tile_rows;
-    qmatmul_amx(w, a, y, ldy, tile_rows, done / tile_rows);
-  }
+  if (a.rows >= kAmxMinRows && amx_on()) return qmatmul_amx(w, a, y, ldy);
 #endif
-  if (done == a.rows) return;
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      int64_t r = done;
+      prefetch_group(w, g + 1);
+      int64_t r = 0;
       for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy);
       switch (a.rows - r) {
         case 3: group_rows<3>(w, a, g, r, y, ldy); break;
@@ -488,14 +576,39 @@ torch::Tensor qmatmul(const QWeight& w, torch::Tensor x) {
   return y;
 }
 
+// Sum of squares in double, W lanes in one fixed order, then the lanes by a fixed tree.
+inline double sum_squares(const float* x, int64_t n) {
+#ifdef ADASPARK_AVX512
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  for (int64_t i = 0; i < n; i += W) {
+    const __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    const __m512d b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
+    lo = _mm512_fmadd_pd(a, a, lo);
+    hi = _mm512_fmadd_pd(b, b, hi);
+  }
+  return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+#else
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (int64_t i = 0; i < n; i += W) {
+    const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    const __m256d b = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+    lo = _mm256_fmadd_pd(a, a, lo);
+    hi = _mm256_fmadd_pd(b, b, hi);
+  }
+  const __m256d s = _mm256_add_pd(lo, hi);
+  const __m128d t = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(t, _mm_unpackhi_pd(t, t)));
+#endif
+}
+
+// out = x / rms(x) * w per row; dim a multiple of W.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
                    float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
-    double ss = 0.0;  // sequential, in double: one order for every row
-    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float scale = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
-    for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = xr[i] * scale * w[i];
+    const vf scale = vset1(static_cast<float>(1.0 / std::sqrt(sum_squares(xr, dim) / dim + eps)));
+    for (int64_t i = 0; i < dim; i += W)
+      vstore(out + r * dim + i, vmul(vmul(vload(xr + i), scale), vload(w + i)));
   }
 }
 
@@ -577,30 +690,48 @@ inline bool attend_takes(int64_t hd) {
   return hd % W == 0 && (c == 2 || c == 4 || c == 8 || c == 16);
 }
 
+//
+// A call may hold the rows of several sequences, each over its own cache (Segment); a row
+// sees only its own sequence, so it comes out the same batched or alone.
+struct Segment {
+  const uint16_t *kl, *vl;  // this layer's K and V of the sequence's cache
+  int64_t start, capacity;  // committed slots, slots in all
+  int64_t row0, n;          // its rows of the call: [row0, row0 + n)
+  const bool* anc;          // anc[r * anc_stride + t]: its row r sees its row t
+  int64_t anc_stride;
+};
+
 template <int C>
-void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
-              const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
-              float* out) {
+void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
+              const std::vector<Segment>& segs, float* out) {
   const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
-  const int64_t nq = n * group, blocks = (nq + kQueries - 1) / kQueries;
-  const int64_t stride = round_up(start + n, W);
+  std::vector<int64_t> first(segs.size() + 1, 0);  // a segment's tasks: kv heads x query blocks
+  int64_t most = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    first[i + 1] = first[i] + hs.kv_heads * ((segs[i].n * group + kQueries - 1) / kQueries);
+    most = std::max(most, round_up(segs[i].start + segs[i].n, W));
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, hs.kv_heads * blocks, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scores;
-    scores.resize(kQueries * stride);
+    scores.resize(kQueries * most);
     alignas(64) float keys[W][C * W];  // W slots' keys in float32
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / blocks, q0 = t % blocks * kQueries;
+      const size_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const Segment& sg = segs[si];
+      const int64_t start = sg.start, n = sg.n, nq = n * group;
+      const int64_t blocks = (nq + kQueries - 1) / kQueries, stride = round_up(start + n, W);
+      const int64_t g = (t - first[si]) / blocks, q0 = (t - first[si]) % blocks * kQueries;
       const int64_t qn = std::min<int64_t>(kQueries, nq - q0);
-      const uint16_t* kg = kl + g * capacity * hd;
-      const uint16_t* vg = vl + g * capacity * hd;
+      const uint16_t* kg = sg.kl + g * sg.capacity * hd;
+      const uint16_t* vg = sg.vl + g * sg.capacity * hd;
       int64_t row[kQueries], head[kQueries], m[kQueries];
       vf q[kQueries][C], acc[kQueries][C];
       for (int i = 0; i < kQueries; ++i) {  // a short block repeats its last query, unused
         const int64_t qi = q0 + std::min<int64_t>(i, qn - 1);
         row[i] = qi / group;
         head[i] = g * group + qi % group;
-        const float* qp = q_rows + row[i] * q_stride + head[i] * hd;
+        const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
         for (int c = 0; c < C; ++c) q[i][c] = vload(qp + c * W);
       }
       // scores of W visible slots [s0, s0 + count) whose keys are in `keys`, for query i
@@ -632,7 +763,7 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride, const uint
         for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
         m[i] = start;
         for (int64_t j = 0; j < n; ++j) {
-          if (!anc[row[i] * n + j]) continue;
+          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
           ks[count++] = kg + (start + j) * hd;
           ++m[i];
           if (count == W) {
@@ -673,28 +804,34 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride, const uint
         const float* sc = scores.data() + i * stride;
         int64_t s = start;
         for (int64_t j = 0; j < n; ++j) {
-          if (!anc[row[i] * n + j]) continue;
+          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
           const uint16_t* vj = vg + (start + j) * hd;
           const vf w = vset1(sc[s++]);
           for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
         }
-        float* o = out + row[i] * heads * hd + head[i] * hd;
+        float* o = out + (sg.row0 + row[i]) * heads * hd + head[i] * hd;
         for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
       }
     }
   });
 }
 
+void attend(const Heads& hs, const float* q_rows, int64_t q_stride,
+            const std::vector<Segment>& segs, float* out) {
+  switch (hs.hd / W) {
+    case 2: return attend_c<2>(hs, q_rows, q_stride, segs, out);
+    case 4: return attend_c<4>(hs, q_rows, q_stride, segs, out);
+    case 8: return attend_c<8>(hs, q_rows, q_stride, segs, out);
+    case 16: return attend_c<16>(hs, q_rows, q_stride, segs, out);
+    default: TORCH_CHECK(false, "head_dim must be 2, 4, 8 or 16 vectors");
+  }
+}
+
+// One sequence's n rows over one cache, anc [n, n].
 void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
             const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
             float* out) {
-  switch (hs.hd / W) {
-    case 2: return attend_c<2>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
-    case 4: return attend_c<4>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
-    case 8: return attend_c<8>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
-    case 16: return attend_c<16>(hs, q_rows, q_stride, kl, vl, start, capacity, anc, n, out);
-    default: TORCH_CHECK(false, "head_dim must be 2, 4, 8 or 16 vectors");
-  }
+  attend(hs, q_rows, q_stride, {Segment{kl, vl, start, capacity, 0, n, anc, n}}, out);
 }
 
 inline vf reciprocal(vf a) {

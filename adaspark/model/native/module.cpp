@@ -42,18 +42,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, py::arg("on") = py::none());
   py::class_<QWeight>(m, "QWeight", py::module_local())
-      .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor>(),
-           py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"))
+      .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
+                    int64_t>(),
+           py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"),
+           py::arg("zero") = 0)
       .def("matmul", [](const QWeight& w, torch::Tensor x) { return qmatmul(w, x); },
            py::call_guard<py::gil_scoped_release>())
       .def_readonly("n", &QWeight::n)
-      .def_readonly("k", &QWeight::k);
+      .def_readonly("k", &QWeight::k)
+      .def_readonly("zero", &QWeight::zero);
   py::class_<Model>(m, "Model", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
                     torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor,
-                    torch::Tensor>())
+                    torch::Tensor, torch::Tensor>())
       .def("add_layer", &Model::add_layer)
       .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_batch", &Model::forward_batch, py::call_guard<py::gil_scoped_release>())
       .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());
   py::class_<Drafter>(m, "Drafter", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,

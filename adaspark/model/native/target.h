@@ -14,13 +14,17 @@ class Model {
  public:
   Model(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
         double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor embeddings,
-        torch::Tensor out_norm, QWeight head, torch::Tensor head_f32, torch::Tensor head_bounds)
+        torch::Tensor out_norm, QWeight head, torch::Tensor head_f32, torch::Tensor head_bounds,
+        torch::Tensor head_norms)
       : dim_(dim), heads_(n_heads), kv_heads_(n_kv_heads), hd_(head_dim), ffn_(ffn),
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
         emb_(embeddings.contiguous()), out_norm_(out_norm.contiguous()), head_(std::move(head)),
-        head_f32_(head_f32.contiguous()), head_bounds_(head_bounds.contiguous()) {
+        head_f32_(head_f32.contiguous()), head_bounds_(head_bounds.contiguous()),
+        head_norms_(head_norms.contiguous()) {
     TORCH_CHECK(head_bounds_.scalar_type() == torch::kFloat && head_bounds_.numel() == 2 * head_.nb,
                 "head_bounds must be float32 [2, blocks]");
+    TORCH_CHECK(head_norms_.scalar_type() == torch::kFloat && head_norms_.numel() == head_.n,
+                "head_norms must be float32 [vocab]");
     TORCH_CHECK(attend_takes(hd_) && dim_ % W == 0,
                 "head_dim must be 2, 4, 8 or 16 times ", W, " and dim a multiple of ", W);
     TORCH_CHECK(heads_ % kv_heads_ == 0, "heads must be a multiple of kv heads");
@@ -40,19 +44,52 @@ class Model {
   std::vector<torch::Tensor> forward(torch::Tensor cache_k, torch::Tensor cache_v,
                                      torch::Tensor tokens, torch::Tensor positions, int64_t start,
                                      torch::Tensor anc, std::vector<int64_t> taps) {
+    return forward_batch({cache_k}, {cache_v}, {start}, {tokens.numel()}, tokens, positions, anc,
+                         taps);
+  }
+
+  // Several sequences' rows in one call: sequence s owns the next counts[s] rows, at slots
+  // starts[s].. of its own cache; anc [n, n] may only join rows of one sequence. A row comes
+  // out bit-identical to the same row in a call of its sequence alone: the matmuls treat rows
+  // independently and attention keeps to each row's sequence.
+  std::vector<torch::Tensor> forward_batch(std::vector<torch::Tensor> caches_k,
+                                           std::vector<torch::Tensor> caches_v,
+                                           std::vector<int64_t> starts, std::vector<int64_t> counts,
+                                           torch::Tensor tokens, torch::Tensor positions,
+                                           torch::Tensor anc, std::vector<int64_t> taps) {
     const int64_t n = tokens.numel(), L = static_cast<int64_t>(layers_.size());
-    TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
-                    cache_k.scalar_type() == torch::kHalf && cache_k.dim() == 5 &&
-                    cache_k.size(0) == L && cache_k.size(1) == 1 && cache_k.size(2) == kv_heads_ &&
-                    cache_k.size(4) == hd_ && cache_v.sizes() == cache_k.sizes(),
-                "cache must be float16 [layers, 1, kv_heads, capacity, head_dim], contiguous");
-    const int64_t capacity = cache_k.size(3);
-    TORCH_CHECK(n >= 1 && start >= 0 && start + n <= capacity, "rows do not fit the cache");
+    const size_t seqs = caches_k.size();
+    TORCH_CHECK(seqs >= 1 && caches_v.size() == seqs && starts.size() == seqs &&
+                    counts.size() == seqs, "one cache pair, start and row count per sequence");
+    TORCH_CHECK(positions.numel() == n, "one position per row");
     TORCH_CHECK(anc.scalar_type() == torch::kBool && anc.dim() == 2 && anc.size(0) == n &&
                     anc.size(1) == n, "anc must be bool [n, n]");
+    anc = anc.contiguous();
+    const bool* ancp = anc.data_ptr<bool>();
+    std::vector<int64_t> row0(seqs + 1, 0), seq_of(n), slot_of(n);
+    for (size_t s = 0; s < seqs; ++s) {
+      const torch::Tensor &ck = caches_k[s], &cv = caches_v[s];
+      TORCH_CHECK(ck.is_contiguous() && cv.is_contiguous() && ck.scalar_type() == torch::kHalf &&
+                      ck.dim() == 5 && ck.size(0) == L && ck.size(1) == 1 &&
+                      ck.size(2) == kv_heads_ && ck.size(4) == hd_ && cv.sizes() == ck.sizes(),
+                  "cache must be float16 [layers, 1, kv_heads, capacity, head_dim], contiguous");
+      TORCH_CHECK(counts[s] >= 1 && starts[s] >= 0 && starts[s] + counts[s] <= ck.size(3),
+                  "rows do not fit the cache");
+      for (size_t o = 0; o < s; ++o)
+        TORCH_CHECK(!ck.is_same(caches_k[o]) && !cv.is_same(caches_v[o]),
+                    "each sequence needs a cache of its own");
+      row0[s + 1] = row0[s] + counts[s];
+      for (int64_t r = row0[s]; r < row0[s + 1] && r < n; ++r) {
+        seq_of[r] = static_cast<int64_t>(s);
+        slot_of[r] = starts[s] + r - row0[s];
+      }
+    }
+    TORCH_CHECK(row0[seqs] == n, "row counts must add up to the rows");
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t t = 0; t < n; ++t)
+        TORCH_CHECK(!ancp[r * n + t] || seq_of[r] == seq_of[t], "anc joins rows of two sequences");
     tokens = tokens.to(torch::kLong).contiguous();
     positions = positions.to(torch::kLong).contiguous();
-    anc = anc.contiguous();
     const int64_t* tok = tokens.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     for (int64_t r = 0; r < n; ++r) {
@@ -71,7 +108,7 @@ class Model {
     for (int64_t r = 0; r < n; ++r) std::memcpy(&x[r * dim_], emb + tok[r] * dim_, dim_ * 4);
     auto hiddens = torch::empty({static_cast<int64_t>(taps.size()), n, dim_}, torch::kFloat);
     QAct& a = act_q_;
-    const int64_t layer_stride = kv_heads_ * capacity * hd_;
+    std::vector<Segment> segs(seqs);
 
     for (int64_t li = 0; li < L; ++li) {
       const Layer& ly = layers_[li];
@@ -83,11 +120,14 @@ class Model {
         for (int64_t r = 0; r < n; ++r)
           for (int64_t i = 0; i < qkvw; ++i) qkv[r * qkvw + i] += b[i];
       }
-      uint16_t* kl = reinterpret_cast<uint16_t*>(cache_k.data_ptr<at::Half>()) + li * layer_stride;
-      uint16_t* vl = reinterpret_cast<uint16_t*>(cache_v.data_ptr<at::Half>()) + li * layer_stride;
-      place_qkv(ly, qkv.data(), n, pos, kl, vl, start, capacity);
-      attend(Heads{heads_, kv_heads_, hd_}, qkv.data(), qkvw, kl, vl, start, capacity,
-             anc.data_ptr<bool>(), n, attn.data());
+      for (size_t s = 0; s < seqs; ++s) {
+        const int64_t capacity = caches_k[s].size(3), layer = li * kv_heads_ * capacity * hd_;
+        segs[s] = Segment{reinterpret_cast<uint16_t*>(caches_k[s].data_ptr<at::Half>()) + layer,
+                          reinterpret_cast<uint16_t*>(caches_v[s].data_ptr<at::Half>()) + layer,
+                          starts[s], capacity, row0[s], counts[s], ancp + row0[s] * n + row0[s], n};
+      }
+      place_qkv(ly, qkv.data(), n, pos, segs, seq_of.data(), slot_of.data());
+      attend(Heads{heads_, kv_heads_, hd_}, qkv.data(), qkvw, segs, attn.data());
       attn_out_and_ffn(ly, x.data(), attn.data(), n, dim_, qw, ffn_, eps_, a, h.data(), y.data(),
                        gu.data(), act.data());
       for (size_t t = 0; t < taps.size(); ++t)
@@ -98,11 +138,13 @@ class Model {
     return {out, hiddens};
   }
 
-  // Logits [n, vocab] and argmax [n] of final-normed rows. The quantised logits carry the
-  // int8 activations' rounding, which is bounded: per block, half a step times the largest
-  // sum of |w| over the vocabulary (wmax), plus float rounding of the terms (tmax). Every
-  // logit within twice that bound of the row's quantised max is recomputed in float32 from
-  // head_f32, so the argmax is the float32 head's argmax, not the int8 one.
+  // Logits [n, vocab] and argmax [n] of final-normed rows x. The quantised logit q_c of a
+  // vocabulary row w_c misses x.w_c by the activations' rounding e (x = dx*q + e, known per
+  // row): |e.w_c| <= |e| |w_c| (Cauchy-Schwarz), plus the float rounding of the int8 path
+  // (per block (nb+4) 2^-22 127 dx tmax, tmax from head_bounds) and of the float32 dot itself
+  // (< 2^-18 |x| |w_c|). So q_c + that bound caps x.w_c; only the logits whose cap reaches the
+  // float32 value of the top quantised one are recomputed in float32 from head_f32 (a handful
+  // per row), and the argmax is the float32 head's, lowest id among equal maxima as torch's.
   std::vector<torch::Tensor> head(torch::Tensor rows) {
     TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim_ && rows.scalar_type() == torch::kFloat,
                 "rows must be float32 [n, dim]");
@@ -115,35 +157,47 @@ class Model {
     qmatmul_into(head_, a, lg, vocab);
     auto argmax = torch::empty({n}, torch::kLong);
     const float* hf = head_f32_.data_ptr<float>();
-    const float* wmax = head_bounds_.data_ptr<float>();
-    const float* tmax = wmax + nb;
-    for (int64_t r = 0; r < n; ++r) {
-      double bound = 0.0;
-      for (int64_t b = 0; b < nb; ++b) {
-        const double dx = a.dx[r * nb + b];
-        bound += dx * (0.5 + 0x1p-19) * wmax[b] + (nb + 4) * 0x1p-22 * 127.0 * dx * tmax[b];
+    const float* tmax = head_bounds_.data_ptr<float>() + nb;
+    const float* norms = head_norms_.data_ptr<float>();
+    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = rows.data_ptr<float>() + r * dim_;
+        double e2 = 0.0, x2 = 0.0, fl = 0.0;
+        for (int64_t b = 0; b < nb; ++b) {
+          const double dx = a.dx[r * nb + b];
+          fl += (nb + 4) * 0x1p-22 * 127.0 * dx * tmax[b];
+          for (int64_t i = b * kBlock; i < (b + 1) * kBlock; ++i) {
+            const double e = xr[i] - dx * a.q[r * dim_ + i];
+            e2 += e * e;
+            x2 += static_cast<double>(xr[i]) * xr[i];
+          }
+        }
+        const float per_norm = static_cast<float>((std::sqrt(e2) + 0x1p-18 * std::sqrt(x2)) *
+                                                  (1 + 0x1p-10));
+        const float slack = static_cast<float>(fl * (1 + 0x1p-10));
+        float* lr = lg + r * vocab;
+        int64_t best = std::max_element(lr, lr + vocab) - lr;
+        float top = vdot(xr, hf + best * dim_, dim_);
+        std::vector<std::pair<int64_t, float>> exact;
+        for (int64_t c = 0; c < vocab; ++c) {
+          if (lr[c] + slack + per_norm * norms[c] < top || c == best) continue;
+          const float v = vdot(xr, hf + c * dim_, dim_);
+          exact.emplace_back(c, v);
+          if (v > top || (v == top && c < best)) best = c, top = v;
+        }
+        lr[best] = top;
+        for (const auto& [c, v] : exact) lr[c] = v;
+        argmax.data_ptr<int64_t>()[r] = best;
       }
-      float* lr = lg + r * vocab;
-      const float floor = static_cast<float>(*std::max_element(lr, lr + vocab) - 2.0 * bound);
-      const float* xr = rows.data_ptr<float>() + r * dim_;
-      std::vector<int64_t> near;
-      for (int64_t c = 0; c < vocab; ++c)
-        if (lr[c] >= floor) near.push_back(c);
-      at::parallel_for(0, static_cast<int64_t>(near.size()), 64, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) lr[near[i]] = vdot(xr, hf + near[i] * dim_, dim_);
-      });
-      int64_t best = near[0];  // lowest id among equal maxima, as torch's argmax
-      for (int64_t c : near)
-        if (lr[c] > lr[best]) best = c;
-      argmax.data_ptr<int64_t>()[r] = best;
-    }
+    });
     return {logits, argmax};
   }
 
  private:
-  // RoPE (adjacent pairs) and the optional q/k norms, then K/V into their cache slots.
-  void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos, uint16_t* kl,
-                 uint16_t* vl, int64_t start, int64_t capacity) {
+  // RoPE (adjacent pairs) and the optional q/k norms, then K/V into their cache slots: row r's
+  // at slot slot_of[r] of its sequence's cache.
+  void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos,
+                 const std::vector<Segment>& segs, const int64_t* seq_of, const int64_t* slot_of) {
     const int64_t qw = heads_ * hd_, kvw = kv_heads_ * hd_, qkvw = qw + 2 * kvw, half = hd_ / 2;
     for (int64_t r = 0; r < n; ++r) {
       float* row = qkv + r * qkvw;
@@ -155,8 +209,10 @@ class Model {
         if (norm.numel()) rms_norm_rows(v, norm.data_ptr<float>(), v, 1, hd_, eps_);
         rope_pairs(v, cs, sn, half);
       }
-      store_kv(Heads{heads_, kv_heads_, hd_}, row + qw, row + qw + kvw, kl, vl, start + r,
-               capacity);
+      const Segment& sg = segs[seq_of[r]];
+      store_kv(Heads{heads_, kv_heads_, hd_}, row + qw, row + qw + kvw,
+               const_cast<uint16_t*>(sg.kl), const_cast<uint16_t*>(sg.vl), slot_of[r],
+               sg.capacity);
     }
   }
 
@@ -164,7 +220,7 @@ class Model {
   float eps_;
   torch::Tensor cos_, sin_, emb_, out_norm_;
   QWeight head_;
-  torch::Tensor head_f32_, head_bounds_;
+  torch::Tensor head_f32_, head_bounds_, head_norms_;
   QAct head_q_;
   std::vector<Layer> layers_;
   std::vector<float> x_, h_, qkv_, attn_, gu_, act_, y_;

@@ -227,36 +227,59 @@ struct QAct {
   std::vector<float> dx, xs;
 };
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, QAct& a) {
+// Per-row work between the matmuls, f(r) for rows [0, n): on both threads when the call has
+// enough rows to pay for a parallel region. Each row runs the same code on either thread.
+template <class F>
+void for_rows(int64_t n, const F& f) {
+  constexpr int64_t kRowsPerThread = 4;
+  if (n < 2 * kRowsPerThread) {
+    for (int64_t r = 0; r < n; ++r) f(r);
+    return;
+  }
+  at::parallel_for(0, n, kRowsPerThread, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
+// Sizes a for rows x k activations (kept between calls: no page faults per call).
+void prepare_rows(int64_t rows, int64_t k, QAct& a) {
   const int64_t nb = k / kBlock;
   a.rows = rows;
   a.k = k;
   a.nb = nb;
-  a.q.resize(rows * k);  // kept between calls: no page faults per call
+  a.q.resize(rows * k);
   a.dx.resize(rows * nb);
   a.qs.resize(rows * nb);
   a.xs.resize(rows * nb);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + r * k + b * kBlock;
-      vf top = vzero();
-      for (int i = 0; i < kBlock; i += W) top = vmax(top, vabs(vload(xb + i)));
-      const float amax = hmax(top);
-      const float d = amax / 127.0f;
-      const vf id = vset1(d > 0.0f ? 127.0f / amax : 0.0f);
-      int8_t* qb = a.q.data() + r * k + b * kBlock;
-      vi sum = vround_i(vzero());
-      for (int i = 0; i < kBlock; i += W) {  // clamping before rounding: the same integers
-        const vi q = vround_i(vmin(vmax(vmul(vload(xb + i), id), vset1(-127.0f)), vset1(127.0f)));
-        vstore_i8(qb + i, q);
-        sum = vadd_i(sum, q);
-      }
-      const int32_t total = vsum_i(sum);
-      a.dx[r * nb + b] = d;
-      a.qs[r * nb + b] = total;
-      a.xs[r * nb + b] = d * static_cast<float>(total);
+}
+
+// Row r of a (prepared) from its k floats xr.
+void quantize_row(const float* xr, int64_t r, QAct& a) {
+  const int64_t nb = a.nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = xr + b * kBlock;
+    vf top = vzero();
+    for (int i = 0; i < kBlock; i += W) top = vmax(top, vabs(vload(xb + i)));
+    const float amax = hmax(top);
+    const float d = amax / 127.0f;
+    const vf id = vset1(d > 0.0f ? 127.0f / amax : 0.0f);
+    int8_t* qb = a.q.data() + r * a.k + b * kBlock;
+    vi sum = vround_i(vzero());
+    for (int i = 0; i < kBlock; i += W) {  // clamping before rounding: the same integers
+      const vi q = vround_i(vmin(vmax(vmul(vload(xb + i), id), vset1(-127.0f)), vset1(127.0f)));
+      vstore_i8(qb + i, q);
+      sum = vadd_i(sum, q);
     }
+    const int32_t total = vsum_i(sum);
+    a.dx[r * nb + b] = d;
+    a.qs[r * nb + b] = total;
+    a.xs[r * nb + b] = d * static_cast<float>(total);
   }
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QAct& a) {
+  prepare_rows(rows, k, a);
+  for_rows(rows, [&](int64_t r) { quantize_row(x + r * k, r, a); });
 }
 
 inline int32_t chunk_of(const int8_t* p) {  // 4 int8 inputs as one 32-bit lane value
@@ -602,14 +625,19 @@ inline double sum_squares(const float* x, int64_t n) {
 }
 
 // out = x / rms(x) * w per row; dim a multiple of W.
+inline void rms_norm_row(const float* xr, const float* w, float* out, int64_t dim, float eps) {
+  const vf scale = vset1(static_cast<float>(1.0 / std::sqrt(sum_squares(xr, dim) / dim + eps)));
+  for (int64_t i = 0; i < dim; i += W) vstore(out + i, vmul(vmul(vload(xr + i), scale), vload(w + i)));
+}
+
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
                    float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    const vf scale = vset1(static_cast<float>(1.0 / std::sqrt(sum_squares(xr, dim) / dim + eps)));
-    for (int64_t i = 0; i < dim; i += W)
-      vstore(out + r * dim + i, vmul(vmul(vload(xr + i), scale), vload(w + i)));
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
+}
+
+// x += y over n floats (n a multiple of W).
+inline void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) vstore(x + i, vadd(vload(x + i), vload(y + i)));
 }
 
 // Attention geometry: query heads share kv heads in groups (GQA).
@@ -843,19 +871,15 @@ inline vf reciprocal(vf a) {
 }
 
 // act = silu(gate) * up, gate and up side by side in each row of gu.
-void silu_mul(const float* gu, float* act, int64_t n, int64_t ffn) {
-  for (int64_t r = 0; r < n; ++r) {
-    const float* g = gu + r * 2 * ffn;
-    const float* u = g + ffn;
-    float* o = act + r * ffn;
-    int64_t i = 0;
-    for (; i + W <= ffn; i += W) {
-      const vf gv = vload(g + i);
-      const vf e = vexp(vmul(gv, vset1(-1.0f)));
-      vstore(o + i, vmul(vmul(gv, vload(u + i)), reciprocal(vadd(vset1(1.0f), e))));
-    }
-    for (; i < ffn; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+// One row: o = silu(g) * u.
+inline void silu_mul_row(const float* g, const float* u, float* o, int64_t ffn) {
+  int64_t i = 0;
+  for (; i + W <= ffn; i += W) {
+    const vf gv = vload(g + i);
+    const vf e = vexp(vmul(gv, vset1(-1.0f)));
+    vstore(o + i, vmul(vmul(gv, vload(u + i)), reciprocal(vadd(vset1(1.0f), e))));
   }
+  for (; i < ffn; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
 // The rest of a pre-norm block after attention, on rows x [n, dim]: x += o(attn), then
@@ -865,16 +889,23 @@ template <class L>
 void attn_out_and_ffn(const L& ly, float* x, const float* attn, int64_t n, int64_t dim,
                       int64_t qw, int64_t ffn, float eps, QAct& a, float* h, float* y, float* gu,
                       float* act) {
+  const float* norm = ly.ffn_norm.template data_ptr<float>();
   quantize_rows(attn, n, qw, a);
   qmatmul_into(ly.o, a, y, dim);
-  for (int64_t i = 0; i < n * dim; ++i) x[i] += y[i];
-  rms_norm_rows(x, ly.ffn_norm.template data_ptr<float>(), h, n, dim, eps);
-  quantize_rows(h, n, dim, a);
+  prepare_rows(n, dim, a);
+  for_rows(n, [&](int64_t r) {
+    add_into(x + r * dim, y + r * dim, dim);
+    rms_norm_row(x + r * dim, norm, h + r * dim, dim, eps);
+    quantize_row(h + r * dim, r, a);
+  });
   qmatmul_into(ly.gate_up, a, gu, 2 * ffn);
-  silu_mul(gu, act, n, ffn);
-  quantize_rows(act, n, ffn, a);
+  prepare_rows(n, ffn, a);
+  for_rows(n, [&](int64_t r) {
+    silu_mul_row(gu + r * 2 * ffn, gu + r * 2 * ffn + ffn, act + r * ffn, ffn);
+    quantize_row(act + r * ffn, r, a);
+  });
   qmatmul_into(ly.down, a, y, dim);
-  for (int64_t i = 0; i < n * dim; ++i) x[i] += y[i];
+  for_rows(n, [&](int64_t r) { add_into(x + r * dim, y + r * dim, dim); });
 }
 
 }  // namespace adaspark

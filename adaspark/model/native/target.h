@@ -112,14 +112,13 @@ class Model {
 
     for (int64_t li = 0; li < L; ++li) {
       const Layer& ly = layers_[li];
-      rms_norm_rows(x.data(), ly.attn_norm.data_ptr<float>(), h.data(), n, dim_, eps_);
-      quantize_rows(h.data(), n, dim_, a);
+      const float* norm = ly.attn_norm.data_ptr<float>();
+      prepare_rows(n, dim_, a);
+      for_rows(n, [&](int64_t r) {
+        rms_norm_row(&x[r * dim_], norm, &h[r * dim_], dim_, eps_);
+        quantize_row(&h[r * dim_], r, a);
+      });
       qmatmul_into(ly.qkv, a, qkv.data(), qkvw);
-      if (ly.qkv_bias.numel()) {
-        const float* b = ly.qkv_bias.data_ptr<float>();
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t i = 0; i < qkvw; ++i) qkv[r * qkvw + i] += b[i];
-      }
       for (size_t s = 0; s < seqs; ++s) {
         const int64_t capacity = caches_k[s].size(3), layer = li * kv_heads_ * capacity * hd_;
         segs[s] = Segment{reinterpret_cast<uint16_t*>(caches_k[s].data_ptr<at::Half>()) + layer,
@@ -194,13 +193,16 @@ class Model {
   }
 
  private:
-  // RoPE (adjacent pairs) and the optional q/k norms, then K/V into their cache slots: row r's
-  // at slot slot_of[r] of its sequence's cache.
+  // The optional q|k|v bias, RoPE (adjacent pairs) and the optional q/k norms, then K/V into
+  // their cache slots: row r's at slot slot_of[r] of its sequence's cache.
   void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos,
                  const std::vector<Segment>& segs, const int64_t* seq_of, const int64_t* slot_of) {
     const int64_t qw = heads_ * hd_, kvw = kv_heads_ * hd_, qkvw = qw + 2 * kvw, half = hd_ / 2;
-    for (int64_t r = 0; r < n; ++r) {
+    const float* bias = ly.qkv_bias.numel() ? ly.qkv_bias.data_ptr<float>() : nullptr;
+    for_rows(n, [&](int64_t r) {
       float* row = qkv + r * qkvw;
+      if (bias)
+        for (int64_t i = 0; i < qkvw; ++i) row[i] += bias[i];
       const float* cs = cos_.data_ptr<float>() + pos[r] * half;
       const float* sn = sin_.data_ptr<float>() + pos[r] * half;
       for (int64_t hh = 0; hh < heads_ + kv_heads_; ++hh) {
@@ -213,7 +215,7 @@ class Model {
       store_kv(Heads{heads_, kv_heads_, hd_}, row + qw, row + qw + kvw,
                const_cast<uint16_t*>(sg.kl), const_cast<uint16_t*>(sg.vl), slot_of[r],
                sg.capacity);
-    }
+    });
   }
 
   int64_t dim_, heads_, kv_heads_, hd_, ffn_;

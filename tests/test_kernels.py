@@ -91,3 +91,31 @@ def test_a_busy_machine_gets_the_default_table_and_nothing_cached(tmp_path, monk
     linears = [Linear([quantised(Q.Q4_1, 64, 64)], "fast", torch.device("cpu"))]
     assert kernels.calibrated_table(linears, "toy-model").best == KernelTable.default().best
     assert not (tmp_path / "adaspark" / "kernels").exists()
+
+
+def test_fast_forms_are_built_on_first_use():
+    lin = Linear([quantised(Q.Q4_1)], "fast", torch.device("cpu"))
+    assert "bf16" not in lin.__dict__ and "int4" not in lin.__dict__
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    assert lin(x, "int4").shape == (3, 48) and "int4" in lin.__dict__
+    lin.build()
+    assert "bf16" in lin.__dict__
+
+
+@pytest.mark.slow
+def test_the_torch_weights_are_built_at_load_only_for_the_torch_path(model_path, monkeypatch):
+    """With the native forward they serve only the batched paths: a load skips them (seconds);
+    without it every forward needs them, so the load builds them."""
+    from adaspark.model.transformer import Transformer
+
+    def built(m):
+        return {("bf16" in lin.__dict__, "int4" in lin.__dict__) for lin in m.linears()}
+
+    monkeypatch.setenv("ADASPARK_NATIVE", "off")
+    assert built(Transformer.from_gguf(model_path, max_context=64, calibrate=False)) == {
+        (True, True)}
+    monkeypatch.delenv("ADASPARK_NATIVE")
+    m = Transformer.from_gguf(model_path, max_context=64, calibrate=False)
+    if m.native is None:
+        pytest.skip(f"no native forward here: {m.native_note}")
+    assert built(m) == {(False, False)}

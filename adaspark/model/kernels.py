@@ -22,6 +22,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -101,26 +102,43 @@ class Int4Weight:
 class Linear:
     """y = x W^T (+ b). W is one GGUF tensor or several fused along the output rows (q|k|v).
 
-    Fast precision keeps an int4 form (where every part is 4-bit or Q8_0) and a bf16 form;
-    reference keeps float32.
+    Fast precision has an int4 form (where every part is 4-bit or Q8_0) and a bf16 form, each
+    built from the GGUF blocks when first used (`build()` builds both): with the native forward
+    they serve only the batched drafter-data paths, so a load does not pay for them.
+    Reference keeps float32.
     """
 
     def __init__(self, tensors: Sequence[GGUFTensor], precision: str, device: torch.device,
                  bias: torch.Tensor | None = None):
-        dense = torch.from_numpy(np.concatenate([t.dequantize() for t in tensors], axis=0))
-        self.out_features, self.in_features = dense.shape
+        self.tensors = list(tensors)
+        self.device = device
+        self.out_features = sum(t.shape[0] for t in self.tensors)
+        self.in_features = self.tensors[0].shape[1]
         self.bias = None if bias is None else bias.to(device)
-        self.int4: Int4Weight | None = None
-        self.bf16: torch.Tensor | None = None
         self.fp32: torch.Tensor | None = None
         if precision == "reference":
-            self.fp32 = dense.to(device)
-            return
-        self.bf16 = dense.to(torch.bfloat16).to(device)
-        if device.type == "cpu" and all(t.qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for t in tensors):
-            self.int4 = Int4Weight(tensors, device)
-        if self.bias is not None:
+            self.fp32 = self._dense().to(device)
+        elif self.bias is not None:
             self.bias = self.bias.to(torch.bfloat16)
+
+    def _dense(self) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([t.dequantize() for t in self.tensors], axis=0))
+
+    @cached_property
+    def bf16(self) -> torch.Tensor:
+        return self._dense().to(torch.bfloat16).to(self.device)
+
+    @cached_property
+    def int4(self) -> Int4Weight | None:
+        if self.device.type == "cpu" and all(t.qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+                                             for t in self.tensors):
+            return Int4Weight(self.tensors, self.device)
+        return None
+
+    def build(self) -> None:
+        """Both fast forms now (the torch path's first request should not wait for them)."""
+        if self.fp32 is None:
+            _ = self.bf16, self.int4
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """x [M, K] (bf16 in fast precision, float32 in reference) -> [M, N], same dtype."""

@@ -238,6 +238,9 @@ class Transformer:
         # the native forward keeps K/V in fp16 (half the bytes to read at long contexts)
         self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity,
                              torch.float32 if self.native is None else torch.float16, self.device)
+        if self.native is None:  # the torch path serves every forward: its weights now
+            for lin in self.linears():
+                lin.build()
         # torch kernels by row count: every forward without the native build, and the batched
         # paths (drafter data) with it
         self.torch_kernels = self._kernel_table(f, calibrate and self.native is None)

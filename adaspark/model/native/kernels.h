@@ -91,6 +91,9 @@ using vi = __m512i;
 inline vf vabs(vf a) { return _mm512_abs_ps(a); }
 inline vi vround_i(vf a) { return _mm512_cvtps_epi32(a); }
 inline vi vadd_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi vsub_i(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi vset1_i(int32_t x) { return _mm512_set1_epi32(x); }
+inline vf vfloat(vi a) { return _mm512_cvtepi32_ps(a); }
 inline int32_t vsum_i(vi a) { return _mm512_reduce_add_epi32(a); }
 inline void vstore_i8(int8_t* p, vi a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(a));
@@ -100,6 +103,9 @@ using vi = __m256i;
 inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 inline vi vround_i(vf a) { return _mm256_cvtps_epi32(a); }
 inline vi vadd_i(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi vsub_i(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+inline vi vset1_i(int32_t x) { return _mm256_set1_epi32(x); }
+inline vf vfloat(vi a) { return _mm256_cvtepi32_ps(a); }
 inline int32_t vsum_i(vi a) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -288,6 +294,18 @@ inline int32_t chunk_of(const int8_t* p) {  // 4 int8 inputs as one 32-bit lane 
   return v;
 }
 
+// acc + block b's contribution to row r from its integer sums s = sum(u*q) over W outputs
+// whose scales are dw, mw: d*dx*(s - zero*sum(q)), or d*dx*s + m*dx*sum(q) without a zero.
+// Every path (VNNI, AVX2, AMX) ends a block here, so a row's float steps are one sequence.
+inline vf add_block(vf acc, vi s, vf dw, vf mw, const QWeight& w, const QAct& a, int64_t r,
+                    int64_t b) {
+  const int64_t at = r * a.nb + b;
+  const vf scale = vmul(dw, vset1(a.dx[at]));
+  if (w.zero)
+    return vfma(vfloat(vsub_i(s, vset1_i(static_cast<int32_t>(w.zero) * a.qs[at]))), scale, acc);
+  return vfma(mw, vset1(a.xs[at]), vfma(vfloat(s), scale, acc));
+}
+
 // y[r, 16g .. 16g+15] for rows [r0, r0+R): the group's weights are unpacked once per block
 // for all R rows; each (row, output) adds its blocks in order, in its own lane.
 template <int R>
@@ -322,15 +340,7 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
         s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(chunk_of(xb + 4 * j)));
         s1 = _mm512_dpbusd_epi32(s1, u[j + 1], _mm512_set1_epi32(chunk_of(xb + 4 * j + 4)));
       }
-      const __m512i s = _mm512_add_epi32(s0, s1);
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
-      if (w.zero) {
-        const __m512i c = _mm512_sub_epi32(s, _mm512_set1_epi32(w.zero * a.qs[r * a.nb + b]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, acc[i]);
-      } else {
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
-        acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
-      }
+      acc[i] = add_block(acc[i], _mm512_add_epi32(s0, s1), dw, mw, w, a, r, b);
     }
   }
   const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
@@ -373,14 +383,7 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
             s = _mm256_add_epi32(s, _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 4)));
           }
         }
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a.dx[r * a.nb + b]));
-        if (w.zero) {
-          const __m256i c = _mm256_sub_epi32(s, _mm256_set1_epi32(w.zero * a.qs[r * a.nb + b]));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), scale, acc[i]);
-        } else {
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
-          acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.xs[r * a.nb + b]), acc[i]);
-        }
+        acc[i] = add_block(acc[i], s, dw, mw, w, a, r, b);
       }
     }
     const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
@@ -474,24 +477,9 @@ inline void scale_block(const QWeight& w, const QAct& a, int64_t g, int64_t b, i
                         const int32_t* sums, __m512* acc) {
   const int64_t at = (g * w.nb + b) * 16;
   const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dp + at)));
-  if (w.zero) {
-    for (int i = 0; i < R; ++i) {
-      const int64_t r = r0 + i;
-      const __m512i c = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * i),
-                                         _mm512_set1_epi32(w.zero * a.qs[r * a.nb + b]));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, acc[i]);
-    }
-    return;
-  }
   const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mp + at)));
-  for (int i = 0; i < R; ++i) {
-    const int64_t r = r0 + i;
-    const __m512i s = _mm512_load_si512(sums + 16 * i);
-    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.dx[r * a.nb + b]));
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
-    acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.xs[r * a.nb + b]), acc[i]);
-  }
+  for (int i = 0; i < R; ++i)
+    acc[i] = add_block(acc[i], _mm512_load_si512(sums + 16 * i), dw, mw, w, a, r0 + i, b);
 }
 
 // Block b's integer sums into tile C: activations through tile A, weights through tile B.
@@ -599,32 +587,35 @@ torch::Tensor qmatmul(const QWeight& w, torch::Tensor x) {
   return y;
 }
 
-// Sum of squares in double, W lanes in one fixed order, then the lanes by a fixed tree.
-inline double sum_squares(const float* x, int64_t n) {
+// Doubles, W/2 lanes: half a float vector widened, fma, the lanes summed by a fixed tree.
 #ifdef ADASPARK_AVX512
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  for (int64_t i = 0; i < n; i += W) {
-    const __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
-    const __m512d b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
-    lo = _mm512_fmadd_pd(a, a, lo);
-    hi = _mm512_fmadd_pd(b, b, hi);
-  }
-  return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+using vd = __m512d;
+inline vd vd_zero() { return _mm512_setzero_pd(); }
+inline vd vd_widen(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+inline vd vd_fma(vd a, vd b, vd c) { return _mm512_fmadd_pd(a, b, c); }
+inline double vd_sum(vd a) { return _mm512_reduce_add_pd(a); }
 #else
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-  for (int64_t i = 0; i < n; i += W) {
-    const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
-    const __m256d b = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
-    lo = _mm256_fmadd_pd(a, a, lo);
-    hi = _mm256_fmadd_pd(b, b, hi);
-  }
-  const __m256d s = _mm256_add_pd(lo, hi);
-  const __m128d t = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+using vd = __m256d;
+inline vd vd_zero() { return _mm256_setzero_pd(); }
+inline vd vd_widen(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+inline vd vd_fma(vd a, vd b, vd c) { return _mm256_fmadd_pd(a, b, c); }
+inline double vd_sum(vd a) {
+  const __m128d t = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
   return _mm_cvtsd_f64(_mm_add_sd(t, _mm_unpackhi_pd(t, t)));
+}
 #endif
+
+// Sum of squares of n floats (a multiple of W) in double, in one fixed order.
+inline double sum_squares(const float* x, int64_t n) {
+  vd lo = vd_zero(), hi = vd_zero();
+  for (int64_t i = 0; i < n; i += W) {
+    const vd a = vd_widen(x + i), b = vd_widen(x + i + W / 2);
+    lo = vd_fma(a, a, lo);
+    hi = vd_fma(b, b, hi);
+  }
+  return vd_sum(lo) + vd_sum(hi);
 }
 
-// out = x / rms(x) * w per row; dim a multiple of W.
 inline void rms_norm_row(const float* xr, const float* w, float* out, int64_t dim, float eps) {
   const vf scale = vset1(static_cast<float>(1.0 / std::sqrt(sum_squares(xr, dim) / dim + eps)));
   for (int64_t i = 0; i < dim; i += W) vstore(out + i, vmul(vmul(vload(xr + i), scale), vload(w + i)));

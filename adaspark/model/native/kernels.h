@@ -423,8 +423,9 @@ inline bool amx_usable() {
   return ok;
 }
 
-// Rows at least this many go through the tiles (below, vpdpbusd is as fast).
-constexpr int64_t kAmxMinRows = 8;
+// Rows at least this many go through the tiles: below, vpdpbusd is as fast; from 5 rows it
+// takes two passes over each group (4 + 1 rows) where one row tile takes them all.
+constexpr int64_t kAmxMinRows = 5;
 
 // Whether calls use the tiles: amx_usable() unless turned off (tests and benchmarks compare).
 inline bool& amx_on() {

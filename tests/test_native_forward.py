@@ -27,11 +27,11 @@ def model(request, model_path):
     return m
 
 
-def verify_rows(model, rows):
+def verify_rows(model, rows, context=PROMPT):
     index = {r: i for i, r in enumerate(rows)}
     parents = [index[PARENTS[r]] if PARENTS[r] >= 0 else -1 for r in rows]
     model.reset()
-    model.prefill(PROMPT)
+    model.prefill(context)
     return model.verify([TREE_TOKENS[r] for r in rows], depths(parents), ancestors(parents),
                         TAPS, return_logits=True)
 
@@ -164,28 +164,19 @@ def test_sequences_batched_in_one_call_equal_each_alone(model):
 LONG = [(37 * i) % 9000 + 100 for i in range(300)]  # 300 in-vocabulary ids
 
 
-def verify_after(model, context, rows):
-    index = {r: i for i, r in enumerate(rows)}
-    parents = [index[PARENTS[r]] if PARENTS[r] >= 0 else -1 for r in rows]
-    model.reset()
-    model.prefill(context)
-    return model.verify([TREE_TOKENS[r] for r in rows], depths(parents), ancestors(parents),
-                        TAPS, return_logits=True)
-
-
 def test_long_contexts_keep_the_same_bits_and_accuracy(model, reference_model):
     """At a context of 300 (prefilled through the torch path, as prompts past 64 rows are) a
     row's bits still do not depend on the width or on the call (a step after a commit equals
     the row in a tree), and it stays as near the float32 reference as at a short context."""
-    tree = verify_after(model, LONG, range(len(PARENTS)))
+    tree = verify_rows(model, range(len(PARENTS)), LONG)
     for rows in (CHAIN, [0, 2], [0]):
-        assert_same_rows(tree, verify_after(model, LONG, rows), rows)
+        assert_same_rows(tree, verify_rows(model, rows, LONG), rows)
     # row 1 of the tree seen through the call (an ancestor in the call) and after a commit
-    verify_after(model, LONG, [0])
+    verify_rows(model, [0], LONG)
     model.commit([0])
     step = model.verify([TREE_TOKENS[1]], [0], [[True]], TAPS, return_logits=True)
     assert torch.equal(step.logits, tree.logits[1:2])
-    exact = verify_after(reference_model, LONG, range(len(PARENTS)))
+    exact = verify_rows(reference_model, range(len(PARENTS)), LONG)
     for layer in TAPS:
         error = (tree.hiddens[layer] - exact.hiddens[layer]).norm(dim=-1)
         assert float((error / exact.hiddens[layer].norm(dim=-1)).max()) < 2**-3, layer

@@ -135,11 +135,6 @@ inline vf vexp(vf x) {
   return vpow2n(p, n);
 }
 
-// exp in place over x[0, n): whole vectors only, so callers keep W-1 floats of slack.
-inline void exp_inplace(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i += W) vstore(x + i, vexp(vload(x + i)));
-}
-
 // fp16 <-> fp32 for the K/V cache (IEEE round to nearest even both ways).
 #ifdef ADASPARK_AVX512
 inline vf vload_h(const uint16_t* p) {
@@ -156,13 +151,6 @@ inline void vstore_h(uint16_t* p, vf a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
 }
 #endif
-
-// Dot of a float vector and an fp16 one, length n (a multiple of W), one fixed order.
-inline float vdot_h(const float* a, const uint16_t* b, int64_t n) {
-  vf acc = vzero();
-  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload_h(b + i), acc);
-  return vsum(acc);
-}
 
 // Dot of two float vectors of length n (a multiple of W), one fixed order.
 inline float vdot(const float* a, const float* b, int64_t n) {

@@ -180,3 +180,27 @@ def test_a_checkpoint_the_native_draft_cannot_take_runs_on_torch(module, fast_mo
                 positions=POSITIONS)
     assert d.native is None and "torch path runs" in caplog.text
     assert d.draft(5).picks.shape == (c.block_size,)
+
+
+def test_the_shortlist_breaks_ties_to_the_lower_index(module, shipped, fast_model):
+    """Logits full of exact ties and no Markov bias: every row's shortlist, top-k and pick are
+    the float64 reference's exactly (best first, the lower index first among equals), the
+    selection's vector skip included (ties arrive in every lane position)."""
+    model, _, _ = shipped
+    with torch.no_grad():
+        w2 = model.markov_w2.weight.clone()
+        model.markov_w2.weight.zero_()
+        drafter = native_drafter(module, model, POSITIONS)
+        B, V = model.c.block_size, model.c.draft_vocab_size
+        g = torch.Generator().manual_seed(3)
+        logits = torch.randint(0, 6, (B, V), generator=g).float()  # ~V/6 ties at the top
+        logits[1, V - 3:] = 9.0  # the best three at the very end, in the padded tail
+        logits[2] = 0.0  # one value everywhere: the first indices win
+        hidden = torch.randn(B, model.c.dim, generator=g)
+        picks, ids, vals, _ = drafter.markov(hidden, logits, 5, 64, 8)
+        r_picks, r_ids, r_vals, _, _ = markov_reference(model, hidden, logits, 5, 64, 8)
+        model.markov_w2.weight.copy_(w2)
+    assert np.array_equal(ids.numpy(), r_ids) and np.array_equal(picks.numpy(), r_picks)
+    assert np.array_equal(vals.numpy(), r_vals)
+    assert list(ids.numpy()[1, :3]) == [V - 3, V - 2, V - 1]
+    assert list(ids.numpy()[2]) == list(range(8))

@@ -171,16 +171,11 @@ class Drafter {
     const float* w1 = w1_.data_ptr<float>();
     const float* w2 = w2_.data_ptr<float>();
     const float* cw = conf_.data_ptr<float>();
-    std::vector<int64_t> idx(V), order(S);
+    std::vector<int64_t> idx, order(S);
     std::vector<float> sv(S);
     for (int64_t i = 0; i < B; ++i) {
       const float* lr = logits.data_ptr<float>() + i * V;
-      // best first, ties to the lower index: one ranking on every CPU
-      auto better = [&](int64_t a, int64_t b) {
-        return lr[a] > lr[b] || (lr[a] == lr[b] && a < b);
-      };
-      std::iota(idx.begin(), idx.end(), 0);
-      std::partial_sort(idx.begin(), idx.begin() + S, idx.end(), better);
+      top_indices(lr, V, S, idx);  // best first, ties to the lower index: one ranking everywhere
       const float* e = w1 + prev * r;
       for (int64_t j = 0; j < S; ++j) sv[j] = lr[idx[j]] + dot(w2 + idx[j] * r, e, r);
       std::iota(order.begin(), order.end(), 0);

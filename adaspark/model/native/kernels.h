@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -52,6 +53,8 @@ inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vpow2n(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline unsigned vgt_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }  // lane bits
+inline unsigned vge_mask(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 #else
 using vf = __m256;
 constexpr int W = 8;
@@ -82,6 +85,8 @@ inline float vsum(vf a) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline unsigned vgt_mask(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+inline unsigned vge_mask(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 #endif
 
 // int32 lanes: float -> int32 rounding to nearest even (the default MXCSR mode, as
@@ -157,6 +162,70 @@ inline float vdot(const float* a, const float* b, int64_t n) {
   vf acc = vzero();
   for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
   return vsum(acc);
+}
+
+// Index of the largest of x[0, n), the lowest among equal maxima (std::max_element's answer):
+// a vector pass for the value, then the first lane that holds it.
+inline int64_t argmax_first(const float* x, int64_t n) {
+  if (n < W) return std::max_element(x, x + n) - x;
+  vf top = vload(x);
+  int64_t i = W;
+  for (; i + W <= n; i += W) top = vmax(top, vload(x + i));
+  float best = hmax(top);
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  int64_t at = 0;
+  while (x[at] != best) ++at;  // NaN-free input: the value is there
+  return at;
+}
+
+// Calls f(i) for every i in [0, n) with (x[i] + a) + y[i] * s >= t, in increasing order: one
+// vector compare per W values (a tail is padded), so every i takes the same float steps.
+template <class F>
+inline void for_each_reaching(const float* x, const float* y, float a, float s, float t,
+                              int64_t n, F f) {
+  const vf av = vset1(a), sv = vset1(s), tv = vset1(t);
+  auto lanes = [&](const float* xs, const float* ys, int64_t i0) {
+    unsigned bits = vge_mask(vadd(vadd(vload(xs), av), vmul(vload(ys), sv)), tv);
+    for (; bits; bits &= bits - 1) f(i0 + __builtin_ctz(bits));
+  };
+  int64_t i = 0;
+  for (; i + W <= n; i += W) lanes(x + i, y + i, i);
+  if (i < n) {
+    alignas(64) float xt[W], yt[W];
+    for (int j = 0; j < W; ++j) {
+      xt[j] = i + j < n ? x[i + j] : -INFINITY;
+      yt[j] = i + j < n ? y[i + j] : 0.0f;
+    }
+    lanes(xt, yt, i);
+  }
+}
+
+// The s best of x[0, n) best first, ties to the lower index (std::partial_sort's answer under
+// that order): one pass keeps a heap of the s best so far, and a vector compare skips the
+// lanes that cannot enter it (a later index must be strictly larger to beat an equal one).
+inline void top_indices(const float* x, int64_t n, int64_t s, std::vector<int64_t>& out) {
+  TORCH_CHECK(s >= 1 && s <= n, "top_indices: need 1 <= s <= n");
+  auto better = [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  out.resize(s);
+  std::iota(out.begin(), out.end(), 0);
+  std::make_heap(out.begin(), out.end(), better);  // front: the worst kept
+  auto enter = [&](int64_t i) {
+    if (x[i] <= x[out.front()]) return;
+    std::pop_heap(out.begin(), out.end(), better);
+    out.back() = i;
+    std::push_heap(out.begin(), out.end(), better);
+  };
+  int64_t i = s;
+  for (; i < n && i % W; ++i) enter(i);
+  for (; i + W <= n; i += W) {
+    unsigned bits = vgt_mask(vload(x + i), vset1(x[out.front()]));
+    while (bits) {
+      enter(i + __builtin_ctz(bits));
+      bits &= bits - 1;
+    }
+  }
+  for (; i < n; ++i) enter(i);
+  std::sort_heap(out.begin(), out.end(), better);
 }
 
 // --- quantised weights and activations ----------------------------------------------------------

@@ -175,15 +175,17 @@ class Model {
                                                   (1 + 0x1p-10));
         const float slack = static_cast<float>(fl * (1 + 0x1p-10));
         float* lr = lg + r * vocab;
-        int64_t best = std::max_element(lr, lr + vocab) - lr;
+        int64_t best = argmax_first(lr, vocab);
+        const int64_t first = best;
         float top = vdot(xr, hf + best * dim_, dim_);
         std::vector<std::pair<int64_t, float>> exact;
-        for (int64_t c = 0; c < vocab; ++c) {
-          if (lr[c] + slack + per_norm * norms[c] < top || c == best) continue;
+        // the caps are compared with the first top: a later, higher top only drops candidates
+        for_each_reaching(lr, norms, slack, per_norm, top, vocab, [&](int64_t c) {
+          if (c == first) return;
           const float v = vdot(xr, hf + c * dim_, dim_);
           exact.emplace_back(c, v);
           if (v > top || (v == top && c < best)) best = c, top = v;
-        }
+        });
         lr[best] = top;
         for (const auto& [c, v] : exact) lr[c] = v;
         argmax.data_ptr<int64_t>()[r] = best;

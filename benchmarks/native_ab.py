@@ -1,0 +1,179 @@
+"""A/B of the native build against the same sources at another git revision, in one process.
+
+    .venv/bin/python benchmarks/native_ab.py [--base REV] [--widths 1,2,5,8,16] [--context 300]
+                                             [--reps 40] [--threads 2] [--json FILE]
+
+The native sources (adaspark/model/native/*.cpp, *.h) at REV (default HEAD) are built once
+into the cache folder as a module of their own name, beside the working tree's build
+(scripts/setup.sh); both load the embedded model and the shipped drafter and prefill the same
+`--context` tokens of text. Then, interleaved (A B, B A, ...) so that a machine speeding up or
+slowing down affects both alike: a verify of each width (a chain, the drafter's taps, forward and
+head), the head alone on real final-normed rows, and one draft. Prints medians, the ratio
+new / base, and whether the two builds' outputs (argmax, draft candidates) are equal: a change
+meant to keep the arithmetic must print `same`. Timing lives here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from adaspark import cpuinfo
+from adaspark.model import native
+from adaspark.model.native.paths import HERE, ISA_FLAGS
+from adaspark.model.sources import resolve_model
+from adaspark.model.tokenizer import Tokenizer
+from adaspark.model.transformer import Transformer
+from adaspark.options import ModelOptions
+from adaspark.speculative import load_speculator
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO / "README.md"  # real text, so the final-normed rows are a model's own
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="HEAD", help="git revision of the base sources")
+    p.add_argument("--widths", default="1,2,5,8,16", help="verify rows to time")
+    p.add_argument("--context", type=int, default=300, help="committed tokens before the rows")
+    p.add_argument("--reps", type=int, default=40, help="interleaved repetitions")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write the medians here")
+    return p.parse_args(argv)
+
+
+def build_base(rev: str, isa: str) -> ModuleType:
+    """The native sources at `rev`, built (once per revision) as adaspark_native_<isa>_ab."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", rev],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "adaspark" / "ab"
+    src, out = root / f"src-{sha}", root / f"build-{sha}-{isa}"
+    rel = HERE.relative_to(REPO)
+    names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{sha}:{rel}"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    src.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if name.endswith((".cpp", ".h")):
+            blob = subprocess.run(["git", "-C", str(REPO), "show", f"{sha}:{rel}/{name}"],
+                                  check=True, capture_output=True).stdout
+            (src / name).write_bytes(blob)
+    out.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load
+
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    name = f"adaspark_native_{isa}_ab"
+    print(f"building the native sources at {rev} ({sha}) for {isa} ...", file=sys.stderr)
+    load(name=name, sources=[str(src / "module.cpp")], build_directory=str(out),
+         extra_cflags=["-O3", "-std=c++17", "-fopenmp", *ISA_FLAGS[isa]],
+         extra_ldflags=["-fopenmp"], verbose=False)
+    so = next(out.glob(f"{name}*.so"))
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_module(module: ModuleType, path: Path, gguf, tok: Tokenizer, context: list[int]):
+    """Target and drafter on `module`, the context prefilled into both."""
+    load = native.load
+    native.load = lambda: (module, "")
+    try:
+        target = Transformer(gguf, precision="fast")
+        spec = load_speculator(target, path, tok.stop_ids, ModelOptions(
+            arm="adaspark", store=Path(tempfile.mkdtemp(prefix="adaspark-ab-")), fresh=True))
+    finally:
+        native.load = load
+    if target.native is None:
+        raise SystemExit("the native forward did not load on this model")
+    out = target.prefill(context, tap_layers=spec.drafter.tap_layers)
+    spec.drafter.observe(out.hiddens)
+    return target, spec.drafter
+
+
+def verify_picks(target: Transformer, chain: list[int], taps) -> list[int]:
+    n = len(chain)
+    return target.verify(chain, np.arange(n), np.tril(np.ones((n, n), dtype=bool)),
+                         tap_layers=taps).argmax.tolist()
+
+
+def head_picks(target: Transformer, rows: torch.Tensor) -> list[int]:
+    return target.native.head(rows)[1].tolist()
+
+
+def draft_candidates(drafter, anchor: int) -> list[list[int]]:
+    return drafter.draft(anchor).topk_ids.tolist()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    new, why = native.load()
+    if new is None:
+        raise SystemExit(f"no native build of the working tree: {why}")
+    base = build_base(args.base, new.__name__.removeprefix("adaspark_native_"))  # its build
+    path = resolve_model(None)
+    from adaspark.model.gguf import read_gguf
+
+    gguf = read_gguf(path)
+    tok = Tokenizer.from_gguf(gguf)
+    ids = tok.encode(TEXT.read_text(encoding="utf-8"))
+    if len(ids) < args.context + 16:
+        raise SystemExit(f"{TEXT} holds {len(ids)} tokens; --context at most {len(ids) - 16}")
+    arms = {"base": with_module(base, path, gguf, tok, ids[:args.context]),
+            "new": with_module(new, path, gguf, tok, ids[:args.context])}
+    widths = [int(w) for w in args.widths.split(",")]
+    rows = ids[args.context:args.context + max(widths)]
+    target, drafter = arms["base"]
+    with torch.no_grad():  # final-normed rows of real text for the head alone
+        finals = target.native.forward(target.cache.k, target.cache.v, torch.tensor(rows),
+                                       torch.arange(len(rows)) + args.context, args.context,
+                                       torch.ones(len(rows), len(rows), dtype=torch.bool).tril(),
+                                       [])[0]
+    times: dict[tuple[str, str], list[float]] = {}
+    outputs: dict[tuple[str, str], list] = {}
+
+    def timed(arm: str, what: str, f, *args):
+        start = time.perf_counter()
+        out = f(*args)
+        times.setdefault((arm, what), []).append(time.perf_counter() - start)
+        outputs.setdefault((arm, what), out)
+
+    for rep in range(args.reps):
+        for arm in (("base", "new") if rep % 2 == 0 else ("new", "base")):
+            target, drafter = arms[arm]
+            for n in widths:
+                timed(arm, f"verify {n}", verify_picks, target, rows[:n], drafter.tap_layers)
+            for n in (1, 5, 8):
+                timed(arm, f"head {n}", head_picks, target, finals[:n])
+            timed(arm, "draft", draft_candidates, drafter, rows[0])
+    medians = {what: {arm: 1000 * statistics.median(times[(arm, what)]) for arm in arms}
+               for what in dict.fromkeys(w for _, w in times)}
+    print(f"{cpuinfo.name()}, torch threads {torch.get_num_threads()}, base {args.base}, "
+          f"context {args.context}, {args.reps} interleaved reps; median ms\n")
+    print("| call | base | new | new / base | outputs |\n|---|---|---|---|---|")
+    for what, m in medians.items():
+        same = outputs[("base", what)] == outputs[("new", what)]
+        print(f"| {what} | {m['base']:.3f} | {m['new']:.3f} | {m['new'] / m['base']:.3f} | "
+              f"{'same' if same else 'differ'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpuinfo.name(), "args": vars(args),
+                                               "median_ms": medians}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -281,6 +281,17 @@ inline void prefetch_group(const QWeight& w, int64_t g) {
   }
 }
 
+// Block b of group g's packed weights and scales, asked for a group ahead of its use: one
+// block at a time keeps the requests in flight few and steady.
+inline void prefetch_block(const QWeight& w, int64_t g, int64_t b) {
+  if (g >= w.groups) return;
+  const char* q = reinterpret_cast<const char*>(w.qp + (g * w.nb + b) * w.block_bytes());
+  for (int64_t i = 0; i < w.block_bytes(); i += 64) _mm_prefetch(q + i, _MM_HINT_T0);
+  const int64_t at = (g * w.nb + b) * 16;
+  _mm_prefetch(reinterpret_cast<const char*>(w.dp + at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(w.mp + at), _MM_HINT_T0);
+}
+
 // Rows of activations quantised per block of 32: q int8 [rows, k], dx [rows, nb], the integer
 // sums qs = sum(q) [rows, nb] and xs = dx * qs.
 struct QAct {
@@ -367,12 +378,13 @@ inline vf add_block(vf acc, vi s, vf dw, vf mw, const QWeight& w, const QAct& a,
 // for all R rows; each (row, output) adds its blocks in order, in its own lane.
 template <int R>
 inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, float* y,
-                       int64_t ldy) {
+                       int64_t ldy, int64_t ahead = -1) {
 #ifdef ADASPARK_AVX512
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
+    if (ahead >= 0) prefetch_block(w, ahead, b);
     const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes();
     __m512i u[8];
     if (w.bits == 4) {
@@ -410,6 +422,7 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
+      if (ahead >= 0 && half == 0) prefetch_block(w, ahead, b);
       const uint8_t* qb = w.qp + (g * w.nb + b) * w.block_bytes() + 32 * half;
       __m256i u[8];
       if (w.bits == 4) {
@@ -620,14 +633,16 @@ void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
   if (a.rows >= kAmxMinRows && amx_on()) return qmatmul_amx(w, a, y, ldy);
 #endif
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
+    prefetch_group(w, g0);
     for (int64_t g = g0; g < g1; ++g) {
-      prefetch_group(w, g + 1);
       int64_t r = 0;
-      for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy);
+      const int64_t next = g + 1;  // asked for by the first pass over this group
+      for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy, r == 0 ? next : -1);
+      const int64_t ahead = r == 0 ? next : -1;
       switch (a.rows - r) {
-        case 3: group_rows<3>(w, a, g, r, y, ldy); break;
-        case 2: group_rows<2>(w, a, g, r, y, ldy); break;
-        case 1: group_rows<1>(w, a, g, r, y, ldy); break;
+        case 3: group_rows<3>(w, a, g, r, y, ldy, ahead); break;
+        case 2: group_rows<2>(w, a, g, r, y, ldy, ahead); break;
+        case 1: group_rows<1>(w, a, g, r, y, ldy, ahead); break;
         default: break;
       }
     }

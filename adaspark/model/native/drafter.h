@@ -69,8 +69,7 @@ class Drafter {
     const float* fw = fc_.data_ptr<float>();
     const int64_t k = fc_.size(1);
     at::parallel_for(0, dim_, 16, [&](int64_t o0, int64_t o1) {
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t o = o0; o < o1; ++o) feats[r * dim_ + o] = vdot(tp + r * k, fw + o * k, k);
+      vdots(tp, n, fw, o0, o1, k, feats.data(), dim_);
     });
     rms_norm_rows(feats.data(), ctx_norm_.data_ptr<float>(), feats.data(), n, dim_, eps_);
     quantize_rows(feats.data(), n, dim_, act_);

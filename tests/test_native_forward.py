@@ -110,6 +110,20 @@ def test_the_argmax_is_the_float32_heads(model):
     assert torch.equal(argmax, logits.argmax(-1))
 
 
+def test_a_row_of_nans_stays_in_its_row(model):
+    """A non-finite row (a corrupt model, an overflow) gives some id in range for itself and
+    leaves the other rows' argmax alone; the vector argmax never reads past the vocabulary."""
+    model.reset()
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    rows, _ = model.native.forward(model.cache.k, model.cache.v, torch.tensor(PROMPT[:4]),
+                                   torch.arange(4), 0, causal, [])
+    _, clean = model.native.head(rows)
+    rows[1] = float("nan")
+    _, argmax = model.native.head(rows)
+    assert 0 <= int(argmax[1]) < model.tok_embeddings.shape[0]
+    assert torch.equal(argmax[[0, 2, 3]], clean[[0, 2, 3]])
+
+
 def test_bad_rows_are_refused(model):
     model.reset()
     model.prefill(PROMPT)

@@ -202,9 +202,9 @@ inline int64_t argmax_first(const float* x, int64_t n) {
   for (; i + W <= n; i += W) top = vmax(top, vload(x + i));
   float best = hmax(top);
   for (; i < n; ++i) best = std::max(best, x[i]);
-  int64_t at = 0;
-  while (x[at] != best) ++at;  // NaN-free input: the value is there
-  return at;
+  for (int64_t at = 0; at < n; ++at)
+    if (x[at] == best) return at;
+  return std::max_element(x, x + n) - x;  // NaNs: the value compares equal nowhere
 }
 
 // Calls f(i) for every i in [0, n) with (x[i] + a) + y[i] * s >= t, in increasing order: one

@@ -21,7 +21,8 @@ the ratio to `ar` (or to the first arm) and the round statistics.
 With --temperature every reply samples with a seed derived from --seed and its conversation
 turn, the same for every arm (so in reference precision every arm emits the same tokens).
 Acceptance by position: of the rounds that drafted, the share whose accepted path reached
-depth d (d = 1, 2, ...), from the rounds the engine reports.
+depth d (d = 1, 2, ...), from the rounds the engine reports; then, per drafting arm, its rounds
+by rows verified (share of rounds and of round time, tokens accepted, median D and verify).
 """
 
 from __future__ import annotations
@@ -107,6 +108,23 @@ def summary(replies: list[dict]) -> dict:
             "tokens_per_round": tokens / max(rounds, 1)}
 
 
+def by_width(records: list[dict]) -> list[dict]:
+    """Rounds grouped by rows verified (round-log records: rows, accepted, D, verify, commit):
+    each width's share of the rounds and of their time, drafted tokens accepted per round, and
+    median D and verify in ms; the commonest widths first."""
+    groups: dict[int, list[dict]] = {}
+    for r in records:
+        groups.setdefault(int(r["rows"]), []).append(r)
+    total = sum(r["D"] + r["verify"] + r["commit"] for r in records) or 1.0
+    out = [{"rows": rows, "rounds": len(g) / len(records),
+            "time": sum(r["D"] + r["verify"] + r["commit"] for r in g) / total,
+            "accepted": statistics.fmean(r["accepted"] for r in g),
+            "D_ms": 1000 * statistics.median(r["D"] for r in g),
+            "verify_ms": 1000 * statistics.median(r["verify"] for r in g)}
+           for rows, g in groups.items()]
+    return sorted(out, key=lambda w: (-w["rounds"], w["rows"]))
+
+
 def parse_arms(spec: str, default_drafter: str | None) -> dict[str, tuple[str, str | None]]:
     """label -> (arm, drafter dir) for "adaspark+gate,chain3@DIR": '+' joins modifiers, and
     '@DIR' gives one arm its own drafter (labelled by the folder's name), so that two drafters
@@ -141,11 +159,14 @@ def main(argv=None) -> int:
                                  store=stores / label, fresh=True)))
                for label, (arm, drafter) in specs.items()}
     depths: dict[str, list[int]] = {label: [] for label in engines}  # accepted, drafted rounds
+    records: dict[str, list[dict]] = {label: [] for label in engines}  # every round's record
     for label, engine in engines.items():
         if engine.speculator is not None:
             engine.speculator.shared_noise = OWN_NOISE not in specs[label][0]
             engine.speculator.round_hook = lambda tr, d=depths[label]: (
                 d.append(len(tr.outcome.tokens)) if tr.plan.drafted else None)
+            engine.speculator.observers.append(
+                lambda row, _plan, out=records[label]: out.append(row))
     print(f"{len(subset)} conversations x {max(len(c.turns) for c in subset)} turns, cap "
           f"{args.max_tokens}, {args.runs} interleaved runs, torch threads "
           f"{torch.get_num_threads()}, temperature {args.temperature}", file=sys.stderr)
@@ -184,9 +205,20 @@ def main(argv=None) -> int:
         if accepted:
             shares = [sum(a >= d for a in accepted) / len(accepted) for d in range(1, 7)]
             print(f"| {arm} | {len(accepted)} | " + " | ".join(f"{x:.3f}" for x in shares) + " |")
+    print("\nRounds by rows verified (the six commonest widths of each drafting arm; accepted: "
+          "drafted tokens per round, the bonus not counted):\n")
+    print("| arm | rows | share of rounds | share of round time | accepted | median D ms | "
+          "median verify ms |")
+    print("|---|---|---|---|---|---|---|")
+    widths = {arm: by_width(rows) for arm, rows in records.items() if rows}
+    for arm, table in widths.items():
+        for w in table[:6]:
+            print(f"| {arm} | {w['rows']} | {w['rounds']:.1%} | {w['time']:.1%} | "
+                  f"{w['accepted']:.2f} | {w['D_ms']:.2f} | {w['verify_ms']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
-                                               "accepted_by_drafted_round": depths}) + "\n")
+                                               "accepted_by_drafted_round": depths,
+                                               "rounds_by_width": widths}) + "\n")
     return 0
 
 

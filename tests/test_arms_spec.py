@@ -25,3 +25,16 @@ def test_arm_specs_refuse_repeats_and_unknown_arms():
         arms.parse_arms("chain3@/a/x,chain3@/b/x", None)
     with pytest.raises(UserError, match="unknown arm .nosuch."):
         arms.parse_arms("nosuch", None)
+
+
+def test_rounds_group_by_rows_verified():
+    records = [{"rows": 2, "accepted": 0, "D": 0.002, "verify": 0.006, "commit": 0.0},
+               {"rows": 2, "accepted": 1, "D": 0.002, "verify": 0.008, "commit": 0.0},
+               {"rows": 2, "accepted": 0, "D": 0.002, "verify": 0.007, "commit": 0.0},
+               {"rows": 8, "accepted": 4, "D": 0.003, "verify": 0.011, "commit": 0.001}]
+    two, eight = arms.by_width(records)  # the commonest width first
+    assert two["rows"] == 2 and two["rounds"] == pytest.approx(0.75)
+    assert two["time"] == pytest.approx(0.027 / 0.042)
+    assert eight["time"] == pytest.approx(0.015 / 0.042)
+    assert two["accepted"] == pytest.approx(1 / 3) and eight["accepted"] == 4
+    assert two["D_ms"] == pytest.approx(2.0) and two["verify_ms"] == pytest.approx(7.0)

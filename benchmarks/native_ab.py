@@ -16,7 +16,6 @@ meant to keep the arithmetic must print `same`. Timing lives here, never in test
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -32,7 +31,9 @@ import torch
 
 from adaspark import cpuinfo
 from adaspark.model import native
-from adaspark.model.native.paths import HERE, ISA_FLAGS
+from adaspark.model.gguf import read_gguf
+from adaspark.model.native.build import compile_module
+from adaspark.model.native.paths import HERE
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
@@ -69,20 +70,11 @@ def build_base(rev: str, isa: str) -> ModuleType:
             blob = subprocess.run(["git", "-C", str(REPO), "show", f"{sha}:{rel}/{name}"],
                                   check=True, capture_output=True).stdout
             (src / name).write_bytes(blob)
-    out.mkdir(parents=True, exist_ok=True)
-    from torch.utils.cpp_extension import load
-
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    name = f"adaspark_native_{isa}_ab"
     print(f"building the native sources at {rev} ({sha}) for {isa} ...", file=sys.stderr)
-    load(name=name, sources=[str(src / "module.cpp")], build_directory=str(out),
-         extra_cflags=["-O3", "-std=c++17", "-fopenmp", *ISA_FLAGS[isa]],
-         extra_ldflags=["-fopenmp"], verbose=False)
-    so = next(out.glob(f"{name}*.so"))
-    spec = importlib.util.spec_from_file_location(name, so)
-    module = importlib.util.module_from_spec(spec)
+    name = f"adaspark_native_{isa}_ab"
+    module = compile_module(name, src / "module.cpp", out, isa)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
     return module
 
 
@@ -126,8 +118,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"no native build of the working tree: {why}")
     base = build_base(args.base, new.__name__.removeprefix("adaspark_native_"))  # its build
     path = resolve_model(None)
-    from adaspark.model.gguf import read_gguf
-
     gguf = read_gguf(path)
     tok = Tokenizer.from_gguf(gguf)
     ids = tok.encode(TEXT.read_text(encoding="utf-8"))

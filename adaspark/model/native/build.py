@@ -16,21 +16,29 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 from adaspark.model.native.paths import BUILD_DIR, ISA_FLAGS, SOURCE, module_name, source_hash
 
 
-def build_one(isa: str) -> str:
+def compile_module(name: str, source: Path, out: Path, isa: str) -> ModuleType:
+    """module.cpp at `source` compiled for one instruction set into `out`, loaded as `name`
+    (also benchmarks/native_ab.py's build of another revision's sources)."""
     from torch.utils.cpp_extension import load
 
+    out.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(source)], build_directory=str(out),
+                # -fopenmp compiles at::parallel_for's pragma (a header template); the loader
+                # then binds libgomp.so.1 to the copy torch already loaded: one OpenMP runtime
+                extra_cflags=["-O3", "-std=c++17", "-fopenmp", *ISA_FLAGS[isa]],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build_one(isa: str) -> str:
     out = BUILD_DIR / isa
     out.mkdir(parents=True, exist_ok=True)
     (out / "source.sha256").unlink(missing_ok=True)  # a half-built module is never trusted
-    load(name=module_name(isa), sources=[str(SOURCE)], build_directory=str(out),
-         # -fopenmp compiles at::parallel_for's pragma (a header template); the loader then
-         # binds libgomp.so.1 to the copy torch already loaded: one OpenMP runtime, one pool
-         extra_cflags=["-O3", "-std=c++17", "-fopenmp", *ISA_FLAGS[isa]],
-         extra_ldflags=["-fopenmp"], verbose=False)
+    compile_module(module_name(isa), SOURCE, out, isa)
     (out / "source.sha256").write_text(source_hash())
     return isa
 

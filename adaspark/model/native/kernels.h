@@ -296,22 +296,8 @@ struct QWeight {
   int64_t block_bytes() const { return 16 * kBlock * bits / 8; }  // one block of 16 outputs
 };
 
-// Asks for group g's packed weights and scales ahead of their use: the hardware prefetcher
-// alone leaves the kernels waiting on memory between groups.
-inline void prefetch_group(const QWeight& w, int64_t g) {
-  if (g >= w.groups) return;
-  const char* q = reinterpret_cast<const char*>(w.qp + g * w.nb * w.block_bytes());
-  for (int64_t i = 0; i < w.nb * w.block_bytes(); i += 64) _mm_prefetch(q + i, _MM_HINT_T0);
-  const char* d = reinterpret_cast<const char*>(w.dp + g * w.nb * 16);
-  const char* m = reinterpret_cast<const char*>(w.mp + g * w.nb * 16);
-  for (int64_t i = 0; i < w.nb * 32; i += 64) {
-    _mm_prefetch(d + i, _MM_HINT_T0);
-    _mm_prefetch(m + i, _MM_HINT_T0);
-  }
-}
-
-// Block b of group g's packed weights and scales, asked for a group ahead of its use: one
-// block at a time keeps the requests in flight few and steady.
+// Block b of group g's packed weights and scales, asked for ahead of their use: the hardware
+// prefetcher alone leaves the kernels waiting on memory between groups.
 inline void prefetch_block(const QWeight& w, int64_t g, int64_t b) {
   if (g >= w.groups) return;
   const char* q = reinterpret_cast<const char*>(w.qp + (g * w.nb + b) * w.block_bytes());
@@ -319,6 +305,12 @@ inline void prefetch_block(const QWeight& w, int64_t g, int64_t b) {
   const int64_t at = (g * w.nb + b) * 16;
   _mm_prefetch(reinterpret_cast<const char*>(w.dp + at), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(w.mp + at), _MM_HINT_T0);
+}
+
+// All of group g at once (the tile path, and a thread's first group); the VNNI path asks for
+// the next group a block at a time instead, which keeps the requests in flight few and steady.
+inline void prefetch_group(const QWeight& w, int64_t g) {
+  for (int64_t b = 0; b < w.nb; ++b) prefetch_block(w, g, b);
 }
 
 // Rows of activations quantised per block of 32: q int8 [rows, k], dx [rows, nb], the integer
@@ -664,10 +656,8 @@ void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
   at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
     prefetch_group(w, g0);
     for (int64_t g = g0; g < g1; ++g) {
-      int64_t r = 0;
-      const int64_t next = g + 1;  // asked for by the first pass over this group
-      for (; r + R <= a.rows; r += R) group_rows<R>(w, a, g, r, y, ldy, r == 0 ? next : -1);
-      const int64_t ahead = r == 0 ? next : -1;
+      int64_t r = 0, ahead = g + 1;  // the first pass over this group asks for the next
+      for (; r + R <= a.rows; r += R, ahead = -1) group_rows<R>(w, a, g, r, y, ldy, ahead);
       switch (a.rows - r) {
         case 3: group_rows<3>(w, a, g, r, y, ldy, ahead); break;
         case 2: group_rows<2>(w, a, g, r, y, ldy, ahead); break;

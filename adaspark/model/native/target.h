@@ -85,7 +85,7 @@ class Model {
       }
     }
     TORCH_CHECK(row0[seqs] == n, "row counts must add up to the rows");
-    for (int64_t r = 0; r < n; ++r)
+    for (int64_t r = 0; seqs > 1 && r < n; ++r)  // one sequence: nothing to join
       for (int64_t t = 0; t < n; ++t)
         TORCH_CHECK(!ancp[r * n + t] || seq_of[r] == seq_of[t], "anc joins rows of two sequences");
     tokens = tokens.to(torch::kLong).contiguous();

@@ -253,7 +253,10 @@ class Speculator:
         if self._log is not None:
             self._log.flush()
         if self.store is not None:
-            self.store.save(self.scheduler.state_dict())
+            try:
+                self.store.save(self.scheduler.state_dict())
+            except UserError as err:  # the reply stands; the last good store stays on disk
+                _log.warning("learned state not saved after this request: %s", err)
 
     def close(self) -> None:
         if self._log is not None:
@@ -292,7 +295,7 @@ def load_speculator(target: Any, model_path: Path, stop_ids, options: ModelOptio
     draft = load_drafter(target, model_path, checkpoint)
     scheduler = Scheduler(arm)
     learned = open_store(options.store,
-                         fingerprint(info["sha256"], drafter_sha256(checkpoint), target))
+                         fingerprint(info["sha256"], drafter_sha256(checkpoint), target, arm))
     refused = restore(scheduler, learned, options.fresh)
     if refused:
         _log.warning("%s", refused)

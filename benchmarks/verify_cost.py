@@ -8,9 +8,10 @@ many rows, no commit) with the engine's own choice (the native forward where bui
 `--torch` also each torch kernel on a torch-only model; repetitions interleaved across widths
 and kernels so a busy machine affects them alike. Then plain decode (1-row verify + commit per
 token) in tokens per second, and the host overhead of a 1-row verify: its time minus the time
-of the native forward and head called directly. `--json` prints one object with `verify_ms`
-as {context: {rows: ms}} (the engine's choice) and `plain_decode_tok_s`. Compare with llama.cpp
-only side by side: benchmarks/vs_llamacpp.py. Timing lives here, never in tests.
+of the native forward and head called directly; and a full-block draft of the shipped drafter
+at context 512 against a 1-row verify there. `--json` prints one object with `verify_ms` as
+{context: {rows: ms}} (the engine's choice), `draft_ms` and `plain_decode_tok_s`. Compare with
+llama.cpp only side by side: benchmarks/vs_llamacpp.py. Timing lives here, never in tests.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from adaspark import cpuinfo
+from adaspark.errors import UserError
 from adaspark.model.kernels import KERNELS, LADDER
 from adaspark.model.sources import resolve_model
 from adaspark.model.transformer import Transformer
@@ -81,6 +83,34 @@ def host_overhead_ms(model: Transformer, reps: int = 50) -> dict[str, float] | N
         native.append(time.perf_counter() - t)
     w, n = statistics.median(whole) * 1e3, statistics.median(native) * 1e3
     return {"verify_ms": w, "native_calls_ms": n, "host_ms": w - n}
+
+
+def draft_times(model: Transformer, path: Path, context: int = 512, reps: int = 30
+                ) -> dict[str, float] | None:
+    """A full-block draft of the shipped drafter (native where built) against a 1-row verify,
+    both after the same `context` tokens (medians, interleaved); None without a drafter."""
+    from adaspark.drafter.loading import default_drafter_for, load_drafter, target_info
+
+    try:
+        drafter = load_drafter(model, path, default_drafter_for(target_info(model, path)))
+    except UserError:
+        return None
+    model.reset()
+    out = model.prefill([(13 * i) % 1000 + 100 for i in range(context)],
+                        tap_layers=drafter.tap_layers)
+    drafter.observe(out.hiddens)
+    anchor = int(out.argmax[-1])
+    drafts, verifies = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        drafter.draft(anchor)
+        drafts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        model.verify([anchor], [0], [[True]])
+        verifies.append(time.perf_counter() - t)
+    d, v = statistics.median(drafts) * 1e3, statistics.median(verifies) * 1e3
+    return {"context": context, "draft_ms": d, "verify_1row_ms": v, "draft_over_verify": d / v,
+            "native": getattr(drafter, "native", None) is not None}
 
 
 def plain_decode_tok_s(model: Transformer, prompt_len: int, tokens: int) -> tuple[float, float]:
@@ -148,6 +178,11 @@ def main() -> None:
         if ctx == 512:
             result["host_overhead_1row_ctx512"] = host_overhead_ms(model)
             say(f"host overhead of a 1-row verify: {result['host_overhead_1row_ctx512']}")
+
+    drafted = draft_times(model, path, reps=max(3 * reps, 15))
+    result["draft_ms"] = None if drafted is None else round(drafted["draft_ms"], 3)
+    result["draft_vs_verify_ctx512"] = drafted
+    say(f"\na full-block draft at context 512 against a 1-row verify: {drafted}")
 
     result["plain_decode_tok_s_by_prompt"] = {}
     for prompt_len in (32, 512):

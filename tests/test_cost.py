@@ -12,6 +12,7 @@ from adaspark.scheduler.cost import (
     LADDER,
     MAX_CLASSES,
     QUANTILE,
+    RISE_SHARE,
     CostModel,
     QuantileLaw,
     _dot,
@@ -171,12 +172,78 @@ def test_short_builds_do_not_count_and_three_teach_the_reach():
         for _ in range(3):
             model.observe(width, width, 500, 10.0, 3.0)
     assert model.probe() == 64
-    model.observe(64, 55, 500, 12.0, 3.0)
-    model.observe(64, 57, 500, 12.0, 3.0)
+    model.observe(64, 55, 500, 12.0, 3.0, tree_rows=55)
+    model.observe(64, 57, 500, 12.0, 3.0, tree_rows=57)
     assert model.probe() == 64 and model.reach is None   # not counted, not yet the reach
-    model.observe(64, 56, 500, 12.0, 3.0)
+    model.observe(64, 56, 500, 12.0, 3.0, tree_rows=56)
     assert model.reach == 57 and model.widths[-1] == 57
     assert model.probe() == 57
+
+
+def measured_2_4_8():
+    model = CostModel()
+    for width in (2, 4, 8):
+        for _ in range(3):
+            model.observe(width, width, 500, 10.0 + width, 3.0)
+    assert model.probe() == 16
+    return model
+
+
+def test_only_a_whole_tree_short_of_the_width_is_the_drafters_reach():
+    """Issue 24 item 2: widths 2/4/8 measured, then 16-row probes that came out at 6/5/7 rows
+    (a stop token's Q = 0 cut the tree, or the reply ended in it) left the table [2, 4, 7],
+    although 8 rows had been measured. A short probe whose whole tree was not short (or that
+    says nothing of it: tree_rows None) teaches no reach; three whose whole tree was short
+    teach one that is never below a measured class."""
+    model = measured_2_4_8()
+    for rows in (6, 5, 7):
+        model.observe(16, rows, 500, 30.0, 3.0)                  # the round says nothing
+    assert model.reach is None and model.widths == list(LADDER) and model.probe() == 16
+    for rows in (6, 5, 7):
+        model.observe(16, rows, 500, 30.0, 3.0, tree_rows=57)    # cut: the whole tree was wide
+    assert model.reach is None and model.widths == list(LADDER) and model.probe() == 16
+    for rows in (6, 5, 7):                                       # the drafter's own limit
+        model.observe(16, rows, 500, 30.0, 3.0, tree_rows=rows)
+    assert model.reach == 8 and model.widths == [2, 4, 8]        # 8 was filled: it stays
+    assert model.probe() is None and model.price(8, 500) == pytest.approx(18.0, rel=0.05)
+    state = json.loads(json.dumps(model.state_dict()))
+    restored = CostModel()
+    restored.load_state_dict(state)
+    assert restored.widths == [2, 4, 8] and restored.reach == 8
+
+
+def test_the_optimistic_price_of_an_unmeasured_width():
+    model = measured_2_4_8()                       # 12, 14, 18 ms
+    p4, p8 = model.price(4, 500), model.price(8, 500)
+    rise = (p8 - p4) / 4                           # the last measured rise per row
+    assert p8 == pytest.approx(18.0, rel=0.05) and rise > 0.5
+    assert model.optimistic_price(16, 500) == pytest.approx(p8 + RISE_SHARE * rise * 8)
+    assert model.optimistic_price(64, 500) == pytest.approx(p8 + RISE_SHARE * rise * 56)
+    model.observe(16, 16, 500, 40.0, 3.0)          # one sample: the lowest time so far
+    model.observe(16, 16, 500, 35.0, 3.0)
+    assert model.optimistic_price(16, 500) == pytest.approx(35.0)
+    model.classes.insert(2, type(model.classes[0])(6))   # a split inside: its bottom's price
+    assert model.optimistic_price(6, 500) == pytest.approx(p4)
+    one = CostModel()
+    for _ in range(3):
+        one.observe(2, 2, 500, 12.0, 3.0)
+    p2 = one.price(2, 500)
+    assert one.optimistic_price(4, 500) == pytest.approx(p2)      # no rise known: flat
+    with_plain = one.optimistic_price(4, 500, plain_ms=8.0)
+    assert with_plain == pytest.approx(p2 + RISE_SHARE * (p2 - 8.0) * 2)
+    assert CostModel().optimistic_price(2, 500) is None
+
+
+def test_frontier_splits_ignore_the_unmeasured_wide_classes():
+    """The paced arm leaves wide classes unmeasured where they cannot pay: a split among the
+    measured ones still runs, and waits while a class inside the measured range is pending."""
+    model = measured_2_4_8()
+    wins = lambda width, ms: True  # noqa: E731
+    assert model.maybe_split(4, 8, 500, wins) is None               # the paper's: probes pending
+    assert model.pending_inside() is False
+    new = model.maybe_split(4, 8, 500, wins, frontier=True)
+    assert new in (3, 5, 6, 7) and new in model.widths and model.pending_inside()
+    assert model.maybe_split(4, 8, 500, wins, frontier=True) is None  # the new one is pending
 
 
 def step_machine(width):

@@ -1,11 +1,13 @@
 """Drafter training: shards round-trip, the draft vocabulary, and a tiny run lowers the loss."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from test_drafter_model import DIM, V_TARGET, tiny
 
-from adaspark.drafter.loss import dspark_loss, make_batch
+from adaspark.drafter.loss import dspark_loss, forward_batch, make_batch
 from adaspark.drafter.shards import Sequence, read_shards, shard_path, write_shard
 from adaspark.drafter.train import TrainSettings, train
 from adaspark.drafter.vocab import build_draft_vocab, coverage, reply_token_counts
@@ -185,15 +187,75 @@ def test_resume_from_a_state_with_one_parameter_group(tmp_path):
     assert abs(fresh.mask_embedding.detach().mean().item() - 0.5) < 0.1
 
 
-def test_loss_weights_set_the_mix_of_the_parts():
+def hand_batch():
+    """Three anchors of four rows with every case the loss tells apart: top-k ids inside the
+    draft vocabulary (even ids below 80) and outside it, a row with none inside (no target
+    distribution), a label outside the vocabulary (no CE) and a row past the reply's end."""
+    b = make_batch(synthetic()[0], [0, 1], 4, 3, np.random.default_rng(0))
+    top_ids = torch.tensor([[[4, 6, 9], [10, 11, 12], [13, 15, 17], [20, 22, 24]],
+                            [[30, 31, 32], [34, 36, 38], [41, 40, 42], [50, 51, 53]],
+                            [[60, 62, 64], [66, 68, 70], [72, 74, 76], [78, 3, 5]]])
+    top_logits = torch.tensor([[[3.0, 1.0, 0.5], [2.0, 1.5, -1.0], [1.0, 0.0, -1.0],
+                                [0.2, 0.1, 0.0]],
+                               [[4.0, 3.0, 2.5], [1.0, 1.0, 1.0], [2.0, 1.0, 0.0],
+                                [5.0, 2.0, 1.0]],
+                               [[0.0, -0.5, -3.0], [6.0, 0.0, -1.0], [1.5, 1.4, 1.3],
+                                [2.0, 0.0, -2.0]]])
+    labels = torch.tensor([[4, 10, 13, 20], [31, 34, 40, 50], [60, 66, 72, -1]])
+    valid = labels >= 0
+    return dataclasses.replace(b, top_ids=top_ids, top_logits=top_logits, labels=labels,
+                               valid=valid)
+
+
+def loss_by_hand(logits: np.ndarray, conf: np.ndarray, b, weights: dict) -> dict[str, float]:
+    """loss.py's docstring in float64: the target's top-k renormalised over the ids inside the
+    draft vocabulary; CE of the label, TV = half the L1 distance, BCE of the confidence logit
+    against 1 - TV; each a mean over its usable rows weighted by exp(-k/4) at block row k."""
+    vocab = list(range(0, 80, 2))  # tiny()'s draft vocabulary
+    n_anchors, block, _ = logits.shape
+    sums = {part: [0.0, 0.0] for part in ("ce", "tv", "conf")}
+    for n in range(n_anchors):
+        for k in range(block):
+            z = logits[n, k] - logits[n, k].max()
+            p_draft = np.exp(z) / np.exp(z).sum()
+            w = np.exp(-k / 4)
+            label = int(b.labels[n, k])
+            if b.valid[n, k] and label in vocab:
+                sums["ce"][0] += w * -np.log(p_draft[vocab.index(label)])
+                sums["ce"][1] += w
+            inside = [(vocab.index(int(t)), float(v))
+                      for t, v in zip(b.top_ids[n, k], b.top_logits[n, k], strict=True)
+                      if int(t) in vocab]
+            if not b.valid[n, k] or not inside:
+                continue
+            p_target = np.zeros(len(vocab))
+            for j, v in inside:
+                p_target[j] = np.exp(v)
+            p_target /= p_target.sum()
+            tv = 0.5 * np.abs(p_draft - p_target).sum()
+            c, y = min(max(1 - tv, 0), 1), 1 / (1 + np.exp(-conf[n, k]))
+            sums["tv"][0] += w * tv
+            sums["conf"][0] += w * -(c * np.log(y) + (1 - c) * np.log(1 - y))
+            sums["tv"][1] += w
+            sums["conf"][1] += w
+    parts = {part: total / weight for part, (total, weight) in sums.items()}
+    parts["loss"] = sum(weights[part] * parts[part] for part in ("ce", "tv", "conf"))
+    return parts
+
+
+def test_the_loss_is_the_documented_formula_worked_by_hand():
     model, embed = tiny()
-    b = make_batch(synthetic()[0], [0, 1], 4, 16, np.random.default_rng(0))
+    b = hand_batch()
     with torch.no_grad():
-        ref, parts = dspark_loss(model, embed, b)
-        assert float(ref) == pytest.approx(0.1 * parts["ce"] + 0.9 * parts["tv"] + parts["conf"],
-                                           rel=1e-5)
-        ce_only, _ = dspark_loss(model, embed, b, {"ce": 1.0, "tv": 0.0, "conf": 0.0})
-        assert float(ce_only) == pytest.approx(parts["ce"], rel=1e-5)
+        logits, conf = forward_batch(model, embed, b)  # the drafter's outputs: the loss's input
+        for weights in (None, {"ce": 1.0, "tv": 0.0, "conf": 0.0},
+                        {"ce": 0.5, "tv": 0.5, "conf": 1.0}):
+            got, parts = dspark_loss(model, embed, b, weights)
+            want = loss_by_hand(logits.double().numpy(), conf.double().numpy(), b,
+                                weights or {"ce": 0.1, "tv": 0.9, "conf": 1.0})
+            assert float(got) == pytest.approx(want["loss"], rel=1e-5), weights
+            for part in ("ce", "tv", "conf"):
+                assert parts[part] == pytest.approx(want[part], rel=1e-5), part
 
 
 def test_training_follows_the_settings_loss_weights():

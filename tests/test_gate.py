@@ -1,5 +1,7 @@
 """The draft gate alone: warming alternates, then the faster mode runs, the other every EXPLORE."""
 
+import pytest
+
 from adaspark.scheduler.gate import EXPLORE, DraftGate
 
 
@@ -26,3 +28,41 @@ def test_the_undrafted_fixed_cost_is_a_moving_average():
     gate.learn_fixed(1.0)
     gate.learn_fixed(2.0)
     assert 1.0 < gate.fixed_ms < 2.0
+
+
+def warmed(unit: str = "ms") -> DraftGate:
+    gate = DraftGate(unit=unit)
+    for _ in range(16):
+        drafted = gate.choose(0)
+        gate.learn(0, drafted, 3 if drafted else 1, 2.0 if drafted else 1.0)
+    assert gate.faster(0) is True
+    return gate
+
+
+def test_a_restart_warms_every_bucket_again_and_keeps_the_undrafted_d():
+    gate = warmed()
+    gate.learn_fixed(0.5)
+    gate.restart()
+    assert gate.faster(0) is None and gate.fixed_ms == 0.5
+    assert [gate.choose(0) for _ in range(2)] == [True, True]  # warming: fewer rounds first
+    gate.learn(0, True, 3, 2.0)
+    assert gate.choose(0) is False
+
+
+def test_rates_stored_in_another_unit_are_not_loaded():
+    """The paced arm counts round time in plain steps, the others in ms: a store written in
+    one unit would compare the two modes' rates across units, so its rates start again."""
+    steps = warmed("step")
+    state = steps.state_dict()
+    assert state["unit"] == "step"
+    same = DraftGate(unit="step")
+    same.load_state_dict(state)
+    assert same.state_dict() == state
+    other = DraftGate(unit="ms")
+    other.load_state_dict(state)
+    assert other.rates == {} and other.fixed_ms == steps.fixed_ms
+    del state["unit"]  # a store written before the unit existed: ms
+    other.load_state_dict(state)
+    assert other.faster(0) is True
+    with pytest.raises(ValueError):
+        DraftGate(unit="s")

@@ -1,6 +1,6 @@
 """The native forward (adaspark/model/native): its quantised matmul against a float64
 dequantised reference, and rows that do not depend on the other rows of a call, on every build
-this CPU runs (AVX-512 VNNI where present, and always the AVX2 one).
+this CPU runs (native.runnable_isas(): AVX-512 VNNI, AVX-VNNI, AVX2 where the CPU has them).
 
 Tolerances come from the arithmetic: activations are rounded to int8 per block of 32 (an error
 of at most half a step, dx/2, per input), integer dot products are exact, and the float terms
@@ -135,8 +135,23 @@ def test_every_x86_build_is_offered_where_the_cpu_runs_it():
     flags = cpuinfo.flags()
     if {"avx2", "fma"} <= flags:
         assert "avx2" in BUILDS
+    if {"avx2", "fma", "avx_vnni"} <= flags:
+        assert "avxvnni" in BUILDS
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         assert BUILDS[0] == "avx512"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"avx2", "fma", "f16c"}, ["avx2"]),  # Zen 3, Haswell..Comet Lake
+    ({"avx2", "fma", "f16c", "avx_vnni"}, ["avxvnni", "avx2"]),  # Alder Lake and later clients
+    ({"avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+     ["avx512", "avxvnni", "avx2"]),  # Sapphire Rapids
+    ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}, ["avx2"]),  # Skylake-X: no VNNI
+    ({"avx", "sse4_2"}, []),
+])
+def test_each_cpu_class_is_offered_the_builds_it_can_run(monkeypatch, flags, expected):
+    monkeypatch.setattr(native.cpuinfo, "flags", lambda text=None: set(flags))
+    assert native.runnable_isas() == expected
 
 
 def test_bad_inputs_are_refused(gguf):
@@ -167,14 +182,69 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert native.load() == (None, "turned off by ADASPARK_NATIVE=off")
 
 
+def block_minimums(t: GGUFTensor) -> np.ndarray:
+    """[N, nb] float64 |m| of each block, read from the GGUF block header (fp16 d first; Q4_1's
+    fp16 m next; Q4_0 and Q8_0 centre their codes on 8 and 128): the offset the kernel's
+    float terms may carry besides d*u."""
+    n, k = t.shape
+    header = t.data.reshape(n, k // 32, -1)[..., :4].copy().view(np.float16).astype(np.float64)
+    zero = {"Q4_0": 8, "Q8_0": 128}.get(t.qtype.name)
+    return np.abs(header[..., 1] if zero is None else zero * header[..., 0])
+
+
+def reference_bound(t: GGUFTensor, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x W^T in float64 from gguf's own dequantiser (not ours), and how far a correct kernel
+    may be from it: int8 rounding of the activations moves each input by at most half its
+    block's step (amax/127, times 1 + 2^-20 for the float32 step and scaling), so an output
+    by at most sum over blocks of step/2 * sum |w| over the block; the float32 block terms
+    (|xq| (|w| + 2|m|) at most) add at most (blocks + 4) * 2^-22 of their sum."""
+    from gguf.quants import dequantize
+
+    n, k = t.shape
+    w = dequantize(t.data, t.qtype).astype(np.float64).reshape(n, k)
+    x64 = x.astype(np.float64)
+    steps = np.abs(x64).reshape(len(x), k // 32, 32).max(-1) / 127
+    weight_sums = np.abs(w).reshape(n, k // 32, 32).sum(-1)
+    rounding = np.einsum("rb,nb->rn", steps * (0.5 + 2**-20), weight_sums)
+    xq_size = np.abs(x64) + np.repeat(steps, 32, axis=1) / 2
+    terms = xq_size @ (np.abs(w) + 2 * np.repeat(block_minimums(t), 32, axis=1)).T
+    return x64 @ w.T, rounding + (k // 32 + 4) * 2**-22 * terms
+
+
+def agreement_cases(gguf) -> list[GGUFTensor]:
+    """A real Q4_1 matrix of the model and small random Q8_0 / Q4_0 ones (the other packings)."""
+    return [gguf.tensors["blk.3.ffn_down.weight"], random_tensor("Q8_0", 40, 192, seed=8),
+            random_tensor("Q4_0", 24, 96, seed=9)]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_every_build_computes_the_float64_reference_of_the_gguf_weights(isa, gguf):
+    """Each build this CPU runs, on its own: one row (decode) and 21 rows of activations at
+    scales 1e-2..1e2, each output within the arithmetic's bound of float64 x W^T."""
+    module = module_for(isa)
+    for t in agreement_cases(gguf):
+        rng = np.random.default_rng(t.shape[1])
+        x = (rng.standard_normal((21, t.shape[1])) * np.logspace(-2, 2, 21)[:, None])
+        x = x.astype(np.float32)
+        weight = native.pack(module, [t])
+        want, bound = reference_bound(t, x)
+        for rows in (1, 21):
+            got = weight.matmul(torch.from_numpy(x[:rows])).double().numpy()
+            assert got.shape == (rows, t.shape[0])
+            excess = np.abs(got - want[:rows]) / bound[:rows]
+            assert np.all(excess <= 1), (t.qtype.name, rows, float(excess.max()))
+
+
 def test_every_build_multiplies_bit_for_bit_alike(gguf):
     """Integer sums are exact and each output's float steps are the same sequence in every
-    build (VNNI, AVX2): a row's matmul result does not depend on the instruction set."""
-    modules = [module_for(isa) for isa in BUILDS]
-    tensors = [gguf.tensors["blk.3.ffn_down.weight"], gguf.tensors["token_embd.weight"]]
-    for t in tensors:
+    build (VNNI, AVX2): a row's matmul result does not depend on the instruction set. Each
+    build's own correctness is the test above; this one needs two builds to compare."""
+    loaded = [m for m in (native.load_isa(isa)[0] for isa in BUILDS) if m is not None]
+    if len(loaded) < 2:
+        pytest.skip(f"{len(loaded)} native build usable here: nothing to compare")
+    for t in agreement_cases(gguf):
         x = torch.randn(21, t.shape[1])
-        results = [native.pack(m, [t]).matmul(x) for m in modules]
+        results = [native.pack(m, [t]).matmul(x) for m in loaded]
         for got in results[1:]:
             assert torch.equal(got, results[0])
 

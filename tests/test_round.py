@@ -7,8 +7,10 @@ import pytest
 
 from adaspark.errors import UserError
 from adaspark.scheduler import Arm, Scheduler, driver
+from adaspark.scheduler.cost import LADDER
+from adaspark.scheduler.gate import NO_PROPOSAL
 from adaspark.scheduler.record import RoundRecord, RoundTimes
-from adaspark.scheduler.round import KERNEL_CLASSES
+from adaspark.scheduler.round import KERNEL_CLASSES, PROBE_BUDGET
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import NGRAM, Block
 from adaspark.sim.curves import load_curve
@@ -171,6 +173,10 @@ def test_arm_parse():
     assert Arm.parse("chain3").chain == 3 and not Arm.parse("cost").ngram
     arm = Arm.parse("adaspark,ratio,no-hysteresis,plain")
     assert arm.ratio_rule and not arm.hysteresis and arm.plain_rounds
+    # the default arm's paced cold start comes with the gate; `ladder` restores the paper's
+    assert Arm.parse("adaspark,gate").paced and not Arm.parse("adaspark").paced
+    assert not Arm.parse("adaspark,gate,ladder").paced and Arm.parse("adaspark,ladder,gate").gate
+    assert not Arm.parse("adaspark,ladder,gate").paced
     for bad in ("tree", "foo", "adaspark,bogus", "adaspark:0", "chain:4", "tree:x"):
         with pytest.raises(UserError):
             Arm.parse(bad)
@@ -350,3 +356,75 @@ def test_gate_state_round_trips_and_old_stores_load():
     state["gate"] = {"rates": [[0, 1.0]], "fixed_ms": None}
     with pytest.raises(UserError, match="draft gate state"):
         Scheduler("adaspark,gate").load_state_dict(state)
+
+
+def test_a_stop_cut_last_round_teaches_no_reach():
+    """Issue 24 item 2 through the scheduler: widths 2/4/8 measured, then 16-row probes whose
+    tree a stop token cut to 6 rows (its subtree has Q = 0), each in a reply's last round. They
+    taught the old table a reach of 6 and erased the measured 8 ([2, 4, 6]); the drafter's whole
+    tree had 22 rows, so they teach no reach and the 16-row class is still to be measured."""
+    picks = [11, 12, 13, 14, 15, 16, 17]  # B = 7, K = 3: 21 nodes
+    sched = Scheduler("adaspark")
+    sched.begin_request(PROMPT)
+    context = 4
+    while sched.cost.probe() in (2, 4, 8):
+        _, outcome, _ = run_round(sched, make_block(picks, K=3), picks + [0], context)
+        context += len(outcome.committed)
+    assert sched.cost.widths == list(LADDER) and sched.cost.probe() == 16
+    stop = EOS
+    cut = make_block([11, stop, 13, 14, 15, 16, 17], K=3)
+    for _ in range(3):
+        sched.begin_request(PROMPT)
+        for last in (False, True):  # a cold first round, then the reply's last
+            plan = sched.plan_round(context, lambda: cut, stop_ids=(stop,))
+            assert plan.width_chosen == 16 and plan.rows == 6
+            outcome = sched.accept(plan, argmax_following(plan, [11, stop, 0]))
+            sched.learn(outcome, RoundTimes(0.005, 0.02, 0.0005), last_round=last)
+        sched.end_request()
+    assert sched.cost.reach is None and sched.cost.widths == list(LADDER)
+    assert sched.cost.probe() == 16
+
+
+def cold_rounds(arm: str, rounds: int = 160):
+    """From an empty store, a drafter that is never right on a text that never repeats (its
+    tree: 7 positions x 8 candidates, 57 rows), on an AVX2-like machine (D 0.45x a plain step,
+    each extra row 0.3x): -> (plans, times, sched)."""
+    sched = Scheduler(arm)
+    truth = list(range(3, 20_000))
+    sched.begin_request(truth[:300])
+    context, plans, times = 300, [], []
+    for _ in range(rounds):
+        picks = [50_000 + context + j for j in range(7)]
+        plan = sched.plan_round(context, lambda p=picks: make_block(p, K=8))
+        t = RoundTimes(0.0028 if plan.drafted else 0.0002, 0.006 * (1 + 0.3 * (plan.rows - 1)),
+                       0.0003)
+        outcome = sched.accept(plan, argmax_following(plan, truth[context:]))
+        sched.learn(outcome, t)
+        context += len(outcome.committed)
+        plans.append(plan)
+        times.append(t.fixed_s + t.verify_s + t.commit_s)
+    return plans, times, sched
+
+
+def test_the_default_arms_cold_start_pays_only_for_measurements_that_could_pay():
+    """Issue 22's cold start. The default arm measures the plain step first (every width must
+    beat it), probes narrow widths only, and its probe rounds lose, against plain steps making
+    their tokens, at most PROBE_BUDGET of the decode time (plus the one probe that crosses it).
+    With `ladder`, as in the paper's arm, every width of the ladder up to 64 is measured."""
+    plans, times, sched = cold_rounds("adaspark,gate")
+    assert [p.chosen_by for p in plans[1:4]] == ["plain"] * 3
+    probes = [(p, t) for p, t in zip(plans, times, strict=True) if p.chosen_by == "probe"]
+    plain_s = times[plans.index(next(p for p in plans[1:] if p.chosen_by == "plain"))]
+    lost = sum(t - (1 + 0) * plain_s for _, t in probes)  # a probe commits only its bonus
+    assert max(p.width_chosen for p, _ in probes) <= 4
+    assert lost <= PROBE_BUDGET * sum(times) + max(t for _, t in probes)
+    # the gate counts time in plain steps (a 1-row verify): a plain round of 6.5 ms, a verify of
+    # 6 ms, makes 6 / 6.5 tokens per step
+    assert sched.gate.rates[NO_PROPOSAL][0].rate == pytest.approx(6.0 / 6.5, rel=0.02)
+    for arm in ("adaspark,gate,ladder", "adaspark"):
+        plans, times, sched = cold_rounds(arm)
+        widths = [p.width_chosen for p in plans if p.chosen_by == "probe"]
+        # the first round, 3 measurements of each width, 64 short (the tree's 57 rows): 57
+        assert widths[:16] == [2] + [w for w in LADDER[:-1] for _ in range(3)]
+        assert 64 in widths and sched.cost.reach == 57
+        assert sum(t for p, t in zip(plans, times, strict=True) if p.chosen_by == "probe") > 0.5

@@ -14,8 +14,10 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -303,9 +305,55 @@ def test_logprobs_and_top_logprobs(client, served):
     assert whole.choices[0].logprobs.content[0].top_logprobs == []
 
 
-def test_penalties_are_accepted(client, served):
-    body = _chat(served, frequency_penalty=1.5, presence_penalty=-0.5, max_tokens=4)
-    assert body["choices"][0]["message"]["content"]
+COUNT = [{"role": "user", "content": "Count from 1 to 20."}]
+
+
+def penalised_greedy(model, prompt: list[int], steps: int, stops, frequency: float,
+                     presence: float):
+    """Plain greedy decoding written out on a model of our own (not the server's): each step's
+    logits minus OpenAI's penalties (frequency * count + presence where the reply has the token
+    already), in float64, up to a stop token. -> ids, each pick's log-softmax, whether it
+    stopped, the smallest top-2 margin, and at how many steps the unpenalised argmax differs."""
+    ids, logprobs, margin, changed = [], [], np.inf, 0
+    model.reset()
+    logits = model.prefill(prompt, return_logits=True).logits[-1]
+    for _ in range(steps):
+        row = logits.double().numpy()
+        penalty = np.zeros_like(row)
+        for token, count in Counter(ids).items():
+            penalty[token] = frequency * count + presence
+        x = row - penalty
+        top2 = np.sort(x)[-2:]
+        margin, pick = min(margin, top2[1] - top2[0]), int(np.argmax(x))
+        changed += int(np.argmax(row)) != pick
+        if pick in stops:
+            return ids, logprobs, True, margin, changed
+        ids.append(pick)
+        logprobs.append(float(x[pick] - x.max() - np.log(np.exp(x - x.max()).sum())))
+        logits = model.verify([pick], [0], np.ones((1, 1), bool), return_logits=True).logits[0]
+        model.commit([0])
+    return ids, logprobs, False, margin, changed
+
+
+@pytest.mark.parametrize("frequency,presence", [(2.0, 1.0), (-1.0, -0.5)])
+def test_penalties_shift_the_greedy_reply_as_openai_defines_them(client, served, fast_model,
+                                                                 frequency, presence):
+    """Temperature 0 with penalties: the server's reply is the argmax of the penalised logits
+    at every step, and each token's logprob is that row's log-softmax (penalties included), both
+    against plain decoding with the penalties written out on another instance of the model.
+    Both settings change the greedy reply (one stops early, one repeats); the logprobs tell
+    frequency from presence (the reply repeats tokens)."""
+    body = _chat(served, messages=COUNT, temperature=0, max_tokens=12, logprobs=True,
+                 frequency_penalty=frequency, presence_penalty=presence)
+    tokenizer = served["app"].state.worker.engine.tokenizer
+    ids, logprobs, stopped, margin, changed = penalised_greedy(
+        fast_model, tokenizer.encode_chat(COUNT), 12, tokenizer.stop_ids, frequency, presence)
+    assert margin > 0.1 and changed >= 2, (margin, changed)  # no near-ties; penalties bite
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == ("stop" if stopped else "length")
+    assert choice["message"]["content"] == tokenizer.decode(ids)
+    got = [item["logprob"] for item in choice["logprobs"]["content"]]
+    assert got == pytest.approx(logprobs, abs=0.02)
 
 
 def test_prompt_over_the_context(client, served):

@@ -14,18 +14,21 @@ import pytest
 
 from adaspark.cli import main
 from adaspark.errors import UserError
+from adaspark.scheduler.driver import run_round
+from adaspark.scheduler.round import Arm, Scheduler
 from adaspark.sim.curves import curve_names, load_curve
 from adaspark.sim.process import EOS, JUNK, World, WorldParams, target_argmax
-from adaspark.sim.run import sweep
+from adaspark.sim.run import SimTarget, sweep
 
 CURVES = ("cpu-smollm2", "int4-dense", "int8-dense", "moe")
+SHIPPED = ("cpu-avx2", *CURVES)  # cpu-avx2: issue 22's machine, for the cold start (below)
 TEST_WIDTHS = (2, 4, 6, 8, 12, 16, 24)
 TEST_WORLD = WorldParams(reply=(1200, 2400))
 TEST_REQUESTS = 6
 
 
 def test_shipped_curves_have_the_papers_shapes():
-    assert tuple(curve_names()) == CURVES
+    assert tuple(curve_names()) == SHIPPED
     int8, int4, moe, cpu = (load_curve(n) for n in ("int8-dense", "int4-dense", "moe",
                                                     "cpu-smollm2"))
     t = lambda c, n, ctx=0: c.verify_s(n, ctx)  # noqa: E731
@@ -114,13 +117,75 @@ def test_adaspark_matches_the_best_pinned_width_from_an_empty_store(runs, curve)
     assert result["ratio_to_best"] >= (1.0 if curve == "moe" else 0.99), result
     # the cost model prices the width it chose within 2% over the run's second half
     assert result["cost_error_median"] < 0.02
-    # the fitted acceptance model predicts better than the head-based estimate
-    assert result["logloss_fitted"] < result["logloss_head"]
+
+
+CALIBRATED_HEAD = {"head_scale": 1.0, "head_bias": 0.0, "head_depth": 0.0, "head_sd": 0.0}
+
+
+def serve_requests(sched: Scheduler, params: WorldParams, requests: int = 3) -> list[dict]:
+    """Requests served in turn by one scheduler (its store carries over, as in the engine), each
+    with the log loss per label of the fitted model, of the head-based estimate and of the
+    one the guard chose to price each round, and the share of rounds the fitted model priced."""
+    curve, world, out = load_curve("cpu-smollm2"), World(0, params), []
+    for index in range(requests):
+        sim = SimTarget(curve, world, world.request(index))
+        sched.begin_request(sim.req.stream[: sim.context])
+        rounds = []
+        while sim.context < sim.end:
+            r = run_round(sched, sim, sim.context, stop_ids=(EOS,))
+            rounds += [r.record] if r.record.labels else []
+            sim.context += len(r.committed.emitted)
+            sim.k += 1
+        sched.end_request()
+        labels = sum(r.labels for r in rounds)
+        out.append({
+            "fitted": sum(r.logloss_fitted for r in rounds) / labels,
+            "head": sum(r.logloss_head for r in rounds) / labels,
+            "priced": sum(r.logloss_fitted if r.fitted_prices else r.logloss_head
+                          for r in rounds) / labels,
+            "share": float(np.mean([r.fitted_prices for r in rounds]))})
+    return out
+
+
+def inverted_fitted_model() -> Scheduler:
+    """A scheduler whose fitted model has gone wrong: its prior reads the head backwards."""
+    sched = Scheduler(arm=Arm.parse("adaspark"))
+    ftrl = sched.acceptance.ftrl
+    ftrl.prior[1] = -1.0  # a1, the pick's logit-h coefficient (prior +1)
+    ftrl.load_state_dict(ftrl.state_dict())  # the weights follow the prior
+    return sched
+
+
+@pytest.mark.parametrize("case", ["head miscalibrated", "head calibrated", "fitted wrong"])
+def test_the_guard_prices_with_whichever_estimate_predicts_better(case):
+    """§3.3: the guard scores both estimates on each round's labels before either learns, and
+    the fitted model prices only while its decayed log loss is the lower. So in every case the
+    loss of what priced is within a lag of the better of the two. Where the world's head is
+    overconfident the fitted model wins and prices (Table 2: lower on every request after the
+    first); where the pick's head is the true acceptance the fitted model (which starts at the
+    head) must not lose; a fitted model gone wrong loses its first request and must not price
+    most of it, then learns back and takes over."""
+    params = WorldParams(reply=(1200, 2400), **(CALIBRATED_HEAD if case == "head calibrated"
+                                                 else {}))
+    sched = inverted_fitted_model() if case == "fitted wrong" else Scheduler(arm=Arm.parse(
+        "adaspark"))
+    served = serve_requests(sched, params)
+    for r in served:
+        assert r["priced"] <= min(r["fitted"], r["head"]) + 0.002, (case, served)
+    later = served[1:]
+    if case == "head miscalibrated":
+        assert all(r["fitted"] < 0.97 * r["head"] and r["share"] > 0.95 for r in later), served
+    if case == "head calibrated":
+        assert all(r["fitted"] <= r["head"] for r in served), served
+    if case == "fitted wrong":
+        first = served[0]
+        assert first["fitted"] > first["head"] + 0.005 and first["share"] < 0.5, served
+        assert later[-1]["share"] > 0.95, served
 
 
 def test_sim_command(capsys):
     assert main(["sim", "--list-curves"]) == 0
-    assert capsys.readouterr().out.split()[0] == "cpu-smollm2"
+    assert capsys.readouterr().out.split()[0] == "cpu-avx2"
     assert main(["sim", "--curve", "moe", "--requests", "1", "--widths", "4,8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["curve"] == "moe" and set(out["pinned"]) == {"4", "8"}
@@ -168,3 +233,29 @@ def test_a_round_log_replays_as_the_curve_it_measured(tmp_path):
                  "--json"]) == 0
     with pytest.raises(UserError):
         curve_from_round_log(str(tmp_path / "missing.jsonl"))
+
+
+def test_the_avx2_curve_is_issue_22s_machine():
+    """Verify at context 512 on the AVX2-only Zen 3: 1/2/4/8/16 rows as measured, 64 ~23x."""
+    avx2 = load_curve("cpu-avx2")
+    one = avx2.verify_s(1, 512)
+    assert one == pytest.approx(0.00618, rel=0.01)
+    ratios = [avx2.verify_s(n, 512) / one for n in (2, 4, 8, 16, 64)]
+    assert ratios == pytest.approx([1.28, 1.73, 3.15, 5.98, 23.3], rel=0.01)
+    assert avx2.fixed_ms / (1000 * one) == pytest.approx(0.45, rel=0.01)
+
+
+def test_the_default_arms_cold_start_does_not_lose_to_plain_decoding():
+    """Issue 22, in the simulator: from an empty store on the AVX2 curve, short first turns and
+    a drafter that about breaks even there. The default arm's first requests decode at least as
+    fast as `ar` (each within 10%), its probe rounds lose at most PROBE_BUDGET of its decode
+    time; `ladder` (the old default's probes: the whole ladder, three each) runs the first
+    request at about half `ar`'s rate, and its probes cost it more than 10%."""
+    from adaspark.scheduler.round import PROBE_BUDGET
+    from adaspark.sim.coldstart import WORLDS, cold_start
+
+    paced, ladder = cold_start(load_curve("cpu-avx2"), ("adaspark,gate", "adaspark,gate,ladder"),
+                               requests=5, seeds=2, params=WORLDS["weak"])
+    assert paced.first3 >= 1.0 and paced.worst >= 0.9, paced
+    assert paced.probe_loss <= PROBE_BUDGET, paced
+    assert ladder.worst < 0.6 and ladder.probe_loss > 0.1, ladder

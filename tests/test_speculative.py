@@ -353,7 +353,7 @@ def test_load_speculator_store_and_round_log(parts, tmp_path):
     default = load(drafter=checkpoint, store=stores)
     assert default.arm == DEFAULT_ARM == "adaspark,gate" and default.scheduler.arm.gate
     expected = fingerprint(json.loads((checkpoint / "config.json").read_text())["target"]
-                           ["sha256"], drafter_sha256(checkpoint), target)
+                           ["sha256"], drafter_sha256(checkpoint), target, "adaspark")
     assert open_store(stores, expected).path == spec.store.path
 
     rounds = [json.loads(line) for line in log.read_text().splitlines()]

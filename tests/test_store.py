@@ -141,7 +141,16 @@ def test_bad_fingerprints_and_states_are_clear_errors(tmp_path):
     with pytest.raises(UserError):
         store.save([1, 2])
     assert not store.path.exists()
+    assert (store.saves, store.save_failures) == (0, 2)  # each failed save counted (metrics)
     blocked = Store(tmp_path / "a-file" / "stores", FINGERPRINT)
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(UserError, match="cannot write learned store"):
         blocked.save({"x": 1.0})
+    assert blocked.save_failures == 1
+
+
+def test_a_store_directory_that_is_no_directory_is_a_clear_error(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    store = Store(tmp_path / "a-file" / "stores", FINGERPRINT)
+    with pytest.raises(UserError, match="cannot be set aside"):
+        store.load()

@@ -9,10 +9,16 @@ API (stable):
                                                  ascending; the chooser picks among these
         .price(width, context) -> float          envelope: cheapest measured class with top >= width
         .fixed_cost(context) -> float | None     predicted fixed per-round cost D (drafter + build)
-        .observe(width, rows, context, verify_ms, fixed_ms, teach=True) -> None
+        .optimistic_price(width, context, plain_ms=None) -> float | None
+                                                 the least an unmeasured class may cost (the
+                                                 default arm's test of whether a probe could pay)
+        .observe(width, rows, context, verify_ms, fixed_ms, teach=True, drafted=True,
+                 tree_rows=None) -> None
                                                  fold one round: `width` is the width the round
-                                                 asked for, `rows` the rows its tree really had
-        .maybe_split(held_width, held_rounds, context, wins) -> int | None
+                                                 asked for, `rows` the rows its tree really had,
+                                                 `tree_rows` the rows its whole tree could fill
+                                                 (None: it says nothing of the drafter's reach)
+        .maybe_split(held_width, held_rounds, context, wins, frontier=False) -> int | None
                                                  split a class where a width inside could win;
                                                  wins(width, verify_ms) -> bool comes from the
                                                  chooser ("would `width` rows at this price beat
@@ -58,6 +64,7 @@ HOLD_BEFORE_SPLIT = 8
 STEEP = 1.25
 MAX_CLASSES = 24
 SHORT_BUILDS_FOR_REACH = 3
+RISE_SHARE = 0.5            # optimistic_price: the share of the last measured rise per row
 REFIT_STEPS_PER_BAND = 288
 REFIT_MIN_PASSES = 24
 BASIS_SIZE = 5
@@ -278,7 +285,7 @@ class RowClass:
         self.clock = 1.0          # the clock when this class last ran, the context it ran at,
         self.clock_context = None  # and the law of D there then: what the clock was read against
         self.clock_law = None
-        self.short_builds = 0     # probe rounds whose tree came out narrower than top
+        self.short_builds = 0     # probe rounds whose whole tree was narrower than top
         self.widest_short = 0     # the widest of those trees
 
     @property
@@ -335,6 +342,39 @@ class CostModel:
                 return row_class.top
         return None
 
+    def pending_inside(self) -> bool:
+        """An unmeasured class lies below a measured one (a split still being measured)."""
+        measured = [k.measured for k in self.classes]
+        if not any(measured):
+            return False
+        widest = len(measured) - 1 - measured[::-1].index(True)
+        return not all(measured[:widest])
+
+    def optimistic_price(self, width: int, context: float, plain_ms: float | None = None
+                         ) -> float | None:
+        """The least the unmeasured class at `width` may cost: its lowest time so far (machine
+        noise only adds time); else, inside the measured range, the price of the measured class
+        below it (a width inside costs at least its bottom's price, §3.2); else, past the widest
+        measured class, that price plus half the last measured rise per row (from the plain
+        step's `plain_ms` when one class is measured), so a wide width is measured only where
+        a cost rising at half the measured pace would still let it pay. None: nothing below it
+        is measured, so there is nothing to compare it with."""
+        row_class = self._class_at(width)
+        if row_class is not None and row_class.law.lowest_ms is not None:
+            return row_class.law.lowest_ms
+        prices = self._prices(context)
+        below = [(top, p) for top, p in prices if top < width]
+        if not below:
+            return None
+        if any(top > width for top, _ in prices):
+            return below[-1][1]
+        points = ([(1, plain_ms)] if plain_ms is not None else []) + below
+        b, t_b = points[-1]
+        if len(points) < 2:
+            return t_b
+        a, t_a = points[-2]
+        return t_b + RISE_SHARE * max(t_b - t_a, 0.0) / (b - a) * (width - b)
+
     def _prices(self, context: float) -> list[tuple[int, float]]:
         phi, clock = basis(context), self.clock
         return [(k.top, k.price_basis(phi, clock)) for k in self.classes if k.measured]
@@ -367,10 +407,14 @@ class CostModel:
         return None
 
     def observe(self, width: int, rows: int, context: float, verify_ms: float, fixed_ms: float,
-                teach: bool = True, drafted: bool = True) -> None:
+                teach: bool = True, drafted: bool = True, tree_rows: int | None = None) -> None:
         """Fold one round in. A request's first round runs cold: call it with teach=False.
         An undrafted round (the draft gate's n-gram tree) teaches its verify time only: its D
-        is not the drafter's, and a narrow n-gram tree says nothing of the drafter's reach."""
+        is not the drafter's, and a narrow n-gram tree says nothing of the drafter's reach.
+        tree_rows: the rows the drafter's whole tree could fill (every node, the anchor's row
+        included); a probe short of its width teaches the reach only when that whole tree was
+        short too, so a tree cut by a stop token (Q = 0 below it) or by the reply's end, which
+        the caller passes as None, is not taken for the drafter's limit."""
         if not teach:
             return
         if drafted:
@@ -383,9 +427,10 @@ class CostModel:
             return                          # a pinned or foreign width: not in the table
         if rows < width:
             # The tree was narrower than the width measured: the time is not this class's.
-            if drafted and not row_class.measured:
+            if (drafted and not row_class.measured and tree_rows is not None
+                    and tree_rows < width):
                 row_class.short_builds += 1
-                row_class.widest_short = max(row_class.widest_short, int(rows))
+                row_class.widest_short = max(row_class.widest_short, int(tree_rows))
                 if row_class.short_builds >= SHORT_BUILDS_FOR_REACH:
                     self._learn_reach(row_class.widest_short)
             return
@@ -396,24 +441,36 @@ class CostModel:
         row_class.clock_law = self.fixed.predict(context) if self.fixed.fitted else None
 
     def _learn_reach(self, reach: int) -> None:
-        """The drafter cannot build past `reach` rows: no class may be priced wider."""
-        reach = max(int(reach), self.classes[0].top)
-        self.reach = reach if self.reach is None else min(self.reach, reach)
-        kept = [k for k in self.classes if k.top <= self.reach]
-        wider = [k for k in self.classes if k.top > self.reach]
+        """The drafter cannot build past `reach` rows: no class may be priced wider. A measured
+        class was filled three times, so the reach is never below it and it is never erased."""
+        floor = max([self.classes[0].top] + [k.top for k in self.classes if k.measured])
+        reach = max(int(reach), floor)
+        self.reach = reach if self.reach is None else max(min(self.reach, reach), floor)
+        kept = [k for k in self.classes if k.top <= self.reach or k.measured]
+        wider = [k for k in self.classes if k.top > self.reach and not k.measured]
         if wider and (not kept or kept[-1].top < self.reach):
             kept.append(RowClass(self.reach))
         self.classes = kept
 
     def maybe_split(self, held_width: int, held_rounds: int, context: float,
-                    wins: Callable[[int, float], bool]) -> int | None:
-        """Split the interval nearest the held width where a width inside could win (§3.2)."""
-        if (held_rounds < HOLD_BEFORE_SPLIT or len(self.classes) >= MAX_CLASSES
-                or self.probe() is not None):
+                    wins: Callable[[int, float], bool], frontier: bool = False) -> int | None:
+        """Split the interval nearest the held width where a width inside could win (§3.2).
+        frontier: unmeasured classes wider than every measured one do not hold splits back (the
+        default arm measures those only where they could pay); the split looks among the
+        measured classes."""
+        if held_rounds < HOLD_BEFORE_SPLIT or len(self.classes) >= MAX_CLASSES:
             return None
+        if frontier:
+            if self.pending_inside():
+                return None
+            table = [k for k in self.classes if k.measured]
+        elif self.probe() is not None:
+            return None
+        else:
+            table = self.classes
         phi, clock = basis(context), self.clock
         intervals = []
-        for lower, upper in zip(self.classes[:-1], self.classes[1:], strict=True):
+        for lower, upper in zip(table[:-1], table[1:], strict=True):
             bottom, top = lower.top, upper.top
             if top - bottom < 2:
                 continue

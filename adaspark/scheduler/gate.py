@@ -13,13 +13,18 @@ clocks with D included, as the chooser's band rate (§3.4). It runs the faster m
 slower one once every EXPLORE rounds of the bucket, so that a drafter or a text that changes is
 noticed; until both modes have a rate in a bucket (BandRate's warm-up) it alternates.
 
-    gate = DraftGate()
+    gate = DraftGate(unit="ms")                   unit: of the round times learn() is given,
+                                                  "ms" or "step" (plain steps, the paced arm)
     gate.choose(bucket) -> bool                   True: draft this round
-    gate.learn(bucket, drafted, tokens, round_ms) after every round that teaches (not a
-                                                  request's first or a reply's last)
+    gate.learn(bucket, drafted, tokens, round_time) after every round that teaches (not a
+                                                  request's first or a reply's last); the time
+                                                  in ms, or in plain steps at the round's
+                                                  context (the paced default arm, round.py)
+    gate.restart()                                forget the rates: the widths changed (paced)
     gate.fixed_ms                                 D of an undrafted round (planning alone), for
                                                   the chooser's price of its widths
-    gate.state_dict() / load_state_dict(state)    JSON-able, exact round trip
+    gate.state_dict() / load_state_dict(state)    JSON-able, exact round trip; rates stored in
+                                                  another unit are not loaded (the gate warms)
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ from adaspark.scheduler.chooser import BandRate
 EXPLORE = 16  # rounds of a bucket in the faster mode before one round of the other
 FIXED_DECAY = 0.9  # the undrafted D's moving average (it is the plan alone: stable)
 NO_PROPOSAL = -1  # the bucket of a round whose anchor has no n-gram proposal
+UNITS = ("ms", "step")  # of round times: milliseconds, or plain steps at the round's context
 
 
 class DraftGate:
     """Per bucket, the drafted and the undrafted mode's decode rates (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str = "ms") -> None:
+        if unit not in UNITS:
+            raise ValueError(f"the gate's time unit must be one of {UNITS}, got {unit!r}")
+        self.unit = unit
         self.rates: dict[int, tuple[BandRate, BandRate]] = {}  # bucket -> (undrafted, drafted)
         self.streak: dict[int, int] = {}  # bucket -> rounds in a row of its faster mode
         self.fixed_ms: float | None = None
@@ -63,8 +72,13 @@ class DraftGate:
         self.streak[bucket] = self.streak.get(bucket, 0) + 1
         return best
 
-    def learn(self, bucket: int, drafted: bool, tokens: int, round_ms: float) -> None:
-        self._pair(bucket)[int(bool(drafted))].observe(float(tokens), float(round_ms))
+    def learn(self, bucket: int, drafted: bool, tokens: int, round_time: float) -> None:
+        self._pair(bucket)[int(bool(drafted))].observe(float(tokens), float(round_time))
+
+    def restart(self) -> None:
+        """Forget both modes' rates (not the undrafted D): what they were measured on changed,
+        so every bucket warms again."""
+        self.rates, self.streak = {}, {}
 
     def learn_fixed(self, fixed_ms: float) -> None:
         """D of an undrafted round."""
@@ -76,7 +90,7 @@ class DraftGate:
     def state_dict(self) -> dict:
         return {"rates": [[b, *(x for r in pair for x in (r.tokens, r.time, r.rounds))]
                           for b, pair in sorted(self.rates.items())],
-                "fixed_ms": self.fixed_ms}
+                "fixed_ms": self.fixed_ms, "unit": self.unit}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -90,4 +104,6 @@ class DraftGate:
             fixed = None if fixed is None else float(fixed)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"draft gate state is malformed: {exc!r}") from None
+        if state.get("unit", "ms") != self.unit:  # rates in another unit compare nothing here
+            rates = {}
         self.rates, self.fixed_ms, self.streak = rates, fixed, {}

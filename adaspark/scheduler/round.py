@@ -57,6 +57,9 @@ from adaspark.scheduler.tree import (
 )
 
 PLAIN_RECHECK = 16  # plain rounds in a row before drafting once more to re-measure the rate
+# The default arm's measurement budget (docs/round.md): a request's probe rounds may lose, against
+# plain steps in the same time, at most this share of the request's decode time so far.
+PROBE_BUDGET = 0.05
 MAX_WIDTH = 64
 STATE_VERSION = 1
 # Modifier `classes` (Table 9): the width table is the 8-bit matrix kernel's row classes, every 8
@@ -79,16 +82,22 @@ class Arm:
     plain_rounds: bool = False  # skip drafting when a plain decode step is worth more
     gate: bool = False  # per round, draft or plan from the n-gram index alone (gate.py)
     classes: bool = False  # widths fixed to the kernel's row classes (KERNEL_CLASSES)
+    # The default arm's cold start (docs/round.md): the plain step is measured first, and a
+    # width only where this round's tree says it could pay, within the request's PROBE_BUDGET.
+    # `gate` switches it on with the gate; `ladder` measures the paper's whole ladder instead.
+    paced: bool = False
 
     BASES = ("ar", "chain3", "chain", "tree:N", "cost", "adaspark", "adaspark:N")
-    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate", "classes")
+    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate", "classes",
+                 "ladder")
 
     @classmethod
     def parse(cls, text: str | Arm) -> Arm:
         """`ar`, `chain3`, `chain`, `tree:N`, `cost`, `adaspark`, `adaspark:N`, optionally with
         modifiers after commas or plus signs (`adaspark,gate` == `adaspark+gate`: the bench
         spells arms with `+` because its arm list is comma-separated): head, no-ngram, ratio,
-        no-hysteresis, plain, gate, classes. The name keeps the comma spelling."""
+        no-hysteresis, plain, gate (with the paced cold start), classes, ladder (the paper's
+        whole ladder of probes under the gate). The name keeps the comma spelling."""
         if isinstance(text, Arm):
             return text
         base, *mods = [part.strip() for part in str(text).replace("+", ",").split(",")]
@@ -119,13 +128,15 @@ class Arm:
             raise UserError(f"unknown arm {base!r}; arms: {', '.join(cls.BASES)}")
         switches = {"head": {"fitted": False}, "no-ngram": {"ngram": False},
                     "ratio": {"ratio_rule": True}, "no-hysteresis": {"hysteresis": False},
-                    "plain": {"plain_rounds": True}, "gate": {"gate": True},
-                    "classes": {"classes": True}}
+                    "plain": {"plain_rounds": True}, "gate": {"gate": True, "paced": True},
+                    "classes": {"classes": True}, "ladder": {"paced": False}}
         for mod in mods:
             if mod not in switches:
                 raise UserError(f"arm {text!r}: unknown modifier {mod!r}; "
                                 f"modifiers: {', '.join(cls.MODIFIERS)}")
             arm = replace(arm, **switches[mod])
+        if "ladder" in mods:  # whatever the order of the modifiers
+            arm = replace(arm, paced=False)
         return replace(arm, name=",".join([base, *mods]))
 
     def at_width(self, width: int) -> Arm:
@@ -199,7 +210,10 @@ class Scheduler:
         self.temperature = 0.0  # the request's sampling temperature (acceptance feature)
         self._round = 0  # rounds of this request
         self._plain_run = 0  # plain rounds in a row
-        self.gate = DraftGate()
+        self._decode_ms = 0.0  # this request's round time so far (the paced arm's budget)
+        self._probe_loss_ms = 0.0  # its probe rounds' time beyond plain steps' for their tokens
+        # paced, the gate counts round time in plain steps (_gate_time)
+        self.gate = DraftGate(unit="step" if self.arm.paced else "ms")
         # host seconds per part of the round, summed (benchmarks/scheduler_overhead.py)
         self.part_times: dict[str, float] | None = {} if time_parts else None
         # rounds by rows verified since this process started (not stored): the width share
@@ -229,6 +243,7 @@ class Scheduler:
         self.acceptance.begin_request()
         self._round = 0
         self._plain_run = 0
+        self._decode_ms = self._probe_loss_ms = 0.0
 
     def end_request(self) -> int:
         """The end-of-request refit of the cost laws; returns how many refits were adopted."""
@@ -251,19 +266,25 @@ class Scheduler:
         (modifier `gate`) finds the n-gram index's own tree at the anchor the faster mode in
         its bucket; then the round verifies that tree (priced and cut like any tree) or one
         row. A request's first round and the cost model's probes always draft (a probe
-        measures a width only the drafter can fill)."""
+        measures a width only the drafter can fill). Under the paced cold start (`gate`, not
+        `ladder`) the gate decides from the second round on, probes pending or not: plain
+        rounds until the plain step is measured, then a drafted round only where a measured
+        width or an affordable probe can verify it (see _width)."""
         if self._anchor is None:
             raise ValueError("call begin_request() before planning a round")
         ctx = int(context_length)
         bucket = None
         if not self.arm.draft:
             plan = self._plain(ctx)
-        elif self.arm.gate and self._round > 0 and self.cost.probe() is None:
+        elif self.arm.paced and self._round > 0 and self.plain_law.samples < MEASUREMENTS:
+            plan = self._plain(ctx)  # paced: first the step every width has to beat
+        elif self.arm.gate and self._round > 0 and (self.arm.paced or self.cost.probe() is None):
             tree = self._ngram_tree(stop_ids)
             # node 0 is the first proposal after the anchor (chains() starts there)
             bucket = evidence_of_bucket(int(tree.bucket[0])) if tree.n_nodes else NO_PROPOSAL
-            plan = (self._drafted(draft(), ctx, stop_ids) if self.gate.choose(bucket)
-                    else self._undrafted(tree, ctx))
+            drafts = self.gate.choose(bucket) and (not self.arm.paced
+                                                   or self._can_verify_a_draft(ctx))
+            plan = self._drafted(draft(), ctx, stop_ids) if drafts else self._undrafted(tree, ctx)
         elif self._plain_pays(ctx):
             plan = self._plain(ctx)
         else:
@@ -272,6 +293,30 @@ class Scheduler:
             plan = self._plain(ctx)
         plan.gate_bucket = bucket
         return plan
+
+    def _can_verify_a_draft(self, ctx: int) -> bool:
+        """Paced: a width is measured, or the budget still allows the narrowest probe."""
+        return bool(self.cost.offers(ctx)) or self._probe_budget_left()
+
+    def _probe_budget_left(self) -> bool:
+        return self._probe_loss_ms <= PROBE_BUDGET * self._decode_ms
+
+    def _probe_pays(self, probe: int, ranking: Ranking, ctx: int) -> bool:
+        """Paced: measure `probe` this round only if nothing is measured yet, or the budget
+        allows it and this round's tree at the probe's optimistic price (cost.py) beats every
+        measured width by the chooser's own score."""
+        offers = self.cost.offers(ctx)
+        if not offers:
+            return True
+        if not self._probe_budget_left():
+            return False
+        price = self.cost.optimistic_price(probe, ctx, self.plain_law.predict(ctx))
+        if price is None:
+            return True
+        trial = sorted([*((w, p) for w, p in offers if w != probe), (probe, price)])
+        width, _ = self.chooser.best(trial, ranking.S_drafter.tolist(), ranking.S_ngram.tolist(),
+                                     self.cost.fixed_cost(ctx), ctx)
+        return width == probe
 
     def _plain_pays(self, ctx: int) -> bool:
         """Modifier `plain`: a plain step's rate beats the band's speculative rate."""
@@ -378,7 +423,7 @@ class Scheduler:
         if self.arm.pinned is not None:
             return self.arm.pinned, ChosenBy.PINNED, [], None, False
         probe = self.cost.probe()
-        if probe is not None:
+        if probe is not None and (not self.arm.paced or self._probe_pays(probe, ranking, ctx)):
             return probe, ChosenBy.PROBE, [], None, False
         offers = self.cost.offers(ctx)
         s_drafter, s_ngram = ranking.S_drafter.tolist(), ranking.S_ngram.tolist()
@@ -433,6 +478,7 @@ class Scheduler:
         self.width_rounds[plan.rows] = self.width_rounds.get(plan.rows, 0) + 1
         verify_ms, fixed_ms = 1000.0 * times.verify_s, 1000.0 * times.fixed_s
         round_ms = fixed_ms + verify_ms + 1000.0 * times.commit_s
+        self._charge(plan, round_ms, len(outcome.tokens) + 1)
         record = RoundRecord(
             ctx=ctx, width=plan.width_chosen, rows=plan.rows, chosen_by=plan.chosen_by,
             accepted=len(outcome.tokens), D=times.fixed_s, verify=times.verify_s,
@@ -453,7 +499,7 @@ class Scheduler:
                 self.gate.learn_fixed(fixed_ms)
             if not last_round:
                 self.gate.learn(plan.gate_bucket, plan.drafted, len(outcome.tokens) + 1,
-                                round_ms)
+                                self._gate_time(ctx, round_ms))
         if self.index is not None:
             t = self._start()
             self.index.extend(outcome.committed)
@@ -461,6 +507,24 @@ class Scheduler:
         self._anchor = int(outcome.bonus)
         self._round += 1
         return record
+
+    def _widest_measured(self) -> int:
+        return max((k.top for k in self.cost.classes if k.measured), default=0)
+
+    def _gate_time(self, ctx: int, round_ms: float) -> float:
+        """The round's time as the gate's rates count it. Paced: in plain steps at the round's
+        context, so rounds at a long context (every mode slower) and at a short one weigh
+        alike; in ms, one mode run mostly at long contexts and the other at short ones would
+        be compared by their contexts rather than by their speed."""
+        plain_ms = self.plain_law.predict(ctx) if self.arm.paced else None
+        return round_ms if plain_ms is None else round_ms / plain_ms
+
+    def _charge(self, plan: Plan, round_ms: float, tokens: int) -> None:
+        """The paced budget's books: every round's time, and what a probe round lost against
+        plain steps making the same tokens (negative where the probe paid)."""
+        self._decode_ms += round_ms
+        if self.arm.paced and plan.chosen_by is ChosenBy.PROBE and self.plain_law.samples:
+            self._probe_loss_ms += round_ms - tokens * self.plain_law.predict(plan.context_length)
 
     def _learn_tree_round(self, outcome: Outcome, record: RoundRecord, first: bool, last: bool,
                           times: RoundTimes) -> None:
@@ -482,8 +546,15 @@ class Scheduler:
         record.rows_drafter = int(placed.size - record.rows_ngram - record.rows_agreed)
         t = self._start()
         # Line 15: the cost model, then a split where a width inside a class could win.
+        # A reply's last round may end inside the tree: it says nothing of the drafter's reach.
+        widest = self._widest_measured()
         self.cost.observe(plan.width_chosen, plan.rows, ctx, verify_ms, fixed_ms,
-                          teach=not first, drafted=plan.drafted)
+                          teach=not first, drafted=plan.drafted,
+                          tree_rows=None if last else tree.n_nodes + 1)
+        if self.arm.paced and self._widest_measured() != widest:
+            # Paced, the gate runs while widths are still being measured: its rates compare
+            # the two modes on the widths of their time, so a wider width starts them again.
+            self.gate.restart()
         t = self._lap("learn cost", t)
         # Line 16: the band's rate and the gains, from what each prefix of the order accepted.
         position = np.empty(tree.n_nodes, dtype=np.int64)
@@ -499,7 +570,7 @@ class Scheduler:
         t = self._lap("learn chooser", t)
         if plan.chosen_by is ChosenBy.CHOOSER and not first and not self.arm.classes:
             self.cost.maybe_split(self.chooser.incumbent, self.chooser.held_rounds, ctx,
-                                  self.chooser.wins)
+                                  self.chooser.wins, frontier=self.arm.paced)
             t = self._lap("split", t)
         # Line 17: the guard, then every child of every accepted parent.
         if not last:

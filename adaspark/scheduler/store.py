@@ -11,16 +11,20 @@ API (stable):
                                          overwritten, and .rejection says why
         .save(state: dict) -> None       atomic: write a temporary file, fsync, rename, fsync the
                                          directory; a crash at any point leaves the old store
+        .set_aside(reason: str) -> None  refuse the file on disk as load() refuses one (for a
+                                         state its reader cannot use: another scheduler version)
         .rejection -> str | None         the message of the last refusal
-        .saves, .rejections -> int       saves done and files refused by this object (metrics)
+        .saves, .rejections, .save_failures -> int
+                                         saves done, files refused and saves that failed (their
+                                         UserError raised) by this object (metrics)
 
     FORMAT_VERSION: int
 
 The fingerprint names what the learned numbers are true of (model file hash, drafter hash,
-device, kernel build): costs and acceptance learned on one are wrong for another, so a store is
-used only under exactly the fingerprint it was written with. The engine keeps its stores under
-platformdirs.user_cache_dir("adaspark")/stores. The state is JSON; Python writes floats with
-repr, so every float round-trips bit for bit.
+device, kernel build, arm): costs and acceptance learned on one are wrong for another, so a
+store is used only under exactly the fingerprint it was written with. The engine keeps its
+stores under platformdirs.user_cache_dir("adaspark")/stores. The state is JSON; Python writes
+floats with repr, so every float round-trips bit for bit.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class Store:
         self.rejection: str | None = None
         self.saves = 0
         self.rejections = 0
+        self.save_failures = 0
 
     def _problem(self) -> tuple[str | None, dict | None]:
         """Why the file on disk cannot be used (None if it can), and its state if it can."""
@@ -89,7 +94,7 @@ class Store:
             return "it has no state", None
         return None, document["state"]
 
-    def _set_aside(self, reason: str) -> None:
+    def set_aside(self, reason: str) -> None:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         target = self.path.with_name(f"{self.path.name}.rejected-{stamp}")
         suffix = 1
@@ -100,6 +105,9 @@ class Store:
             os.replace(self.path, target)
         except FileNotFoundError:       # another process set it aside first
             return
+        except OSError as exc:          # refused, and it cannot be moved: say so, not a trace
+            raise UserError(f"refused learned store {self.path}: {reason}; it cannot be set "
+                            f"aside ({exc.strerror or exc})") from None
         self.rejections += 1
         self.rejection = (f"refused learned store {self.path}: {reason}; "
                           f"set aside as {target.name}, starting from an empty store")
@@ -111,11 +119,18 @@ class Store:
         except FileNotFoundError:
             return None
         if reason is not None:
-            self._set_aside(reason)
+            self.set_aside(reason)
             return None
         return state
 
     def save(self, state: dict) -> None:
+        try:
+            self._save(state)
+        except UserError:
+            self.save_failures += 1
+            raise
+
+    def _save(self, state: dict) -> None:
         if not isinstance(state, dict):
             raise UserError("a store state must be a dict")
         try:
@@ -131,7 +146,7 @@ class Store:
             except FileNotFoundError:
                 reason = None
             if reason is not None:      # never overwrite a store we could not have read
-                self._set_aside(reason)
+                self.set_aside(reason)
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()

@@ -5,9 +5,9 @@ completion tokens, prefill and decode seconds and decode tokens. Per round (the 
 round observer): rounds by kind, verified rows and accepted tokens (histograms), verify and
 draft seconds by width (rows verified), commit seconds, acceptance by block position, accepted
 tokens by source, the draft gate's decisions, and the acceptance model's predicted against
-realised tokens. Read at scrape time: requests waiting and running, learned-store saves and
-refusals. The `ar` arm has no rounds of its own: its 1-row rounds are counted per request, and
-have no per-round times.
+realised tokens. Read at scrape time: requests waiting and running, learned-store saves,
+refusals and failed saves (the reply is delivered, the last good store kept). The `ar` arm has
+no rounds of its own: its 1-row rounds are counted per request, and have no per-round times.
 
 Round kinds: `probe` (a width measured for the cost model), `plain` (one row, no draft),
 `drafted` (a tree with the drafter's block), `ngram` (a tree from the n-gram index alone).
@@ -62,10 +62,14 @@ class _Live:
                                     "Learned-store saves (one after every speculative request)")
         rejections = CounterMetricFamily("adaspark_store_rejections",
                                          "Learned-store files refused and set aside")
+        failures = CounterMetricFamily("adaspark_store_save_failures",
+                                       "Learned-store saves that failed (the last good store "
+                                       "stays; the reply was delivered)")
         store = self.store
         saves.add_metric([], 0 if store is None else store.saves)
         rejections.add_metric([], 0 if store is None else store.rejections)
-        return [waiting, running, saves, rejections]
+        failures.add_metric([], 0 if store is None else store.save_failures)
+        return [waiting, running, saves, rejections, failures]
 
 
 class ServerMetrics:

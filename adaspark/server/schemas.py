@@ -9,9 +9,9 @@ choices (n seeded samples, choice i with seed + i, run one after another).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from adaspark.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -27,6 +27,43 @@ class RequestError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+
+def parse_json(text: str) -> Any:
+    """JSON text inside a request (a tool call's arguments) or a reply, through the parser
+    that reads the request body: nesting past its limit is a ValueError like any malformed
+    text, where json.loads would raise RecursionError (a 500)."""
+    return pydantic_core.from_json(text)
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that parses `model` itself, its $defs inlined (the
+    models have no cycles), so the document describes the body the route validates."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (OpenAI's error object), as the OpenAPI document declares it."""
+
+    error: ErrorDetail
 
 
 class TextPart(BaseModel):
@@ -45,7 +82,23 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema says what the validator below refuses: content is null only in an
+    assistant's message with tool calls."""
+    props = schema["properties"]
+    with_content = {**props, "content": {"anyOf": [
+        part for part in props["content"]["anyOf"] if part != {"type": "null"}]}}
+    calls = {**props, "role": {"const": "assistant"},
+             "tool_calls": {**props["tool_calls"]["anyOf"][0], "minItems": 1}}
+    variants = [{**schema, "properties": with_content, "required": ["role", "content"]},
+                {**schema, "properties": calls, "required": ["role", "tool_calls"]}]
+    schema.clear()
+    schema.update(title="Message", anyOf=variants)
+
+
 class Message(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_message_schema)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -81,9 +134,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _request_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema says what check_supported refuses (pydantic sees only the types), so a
+    client or a fuzzer that follows it is not refused."""
+    props = schema["properties"]
+    nonempty = {"type": "string", "minLength": 1}
+    props["stop"]["anyOf"][:2] = [nonempty, {"type": "array", "items": nonempty}]
+    props["tool_choice"]["anyOf"] = [{"enum": ["auto", "none"]}, {"type": "null"}]
+    props["response_format"]["anyOf"] = [
+        {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+         "additionalProperties": False}, {"type": "null"}]
+
+
 class ChatRequest(BaseModel):
     # Unknown fields (user, metadata, ...) do not change the reply: ignored.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_request_schema)
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
@@ -124,10 +189,10 @@ class ChatRequest(BaseModel):
         for i, message in enumerate(self.messages):
             for call in message.tool_calls or ():
                 try:
-                    json.loads(call.function.arguments)
-                except ValueError:
+                    parse_json(call.function.arguments)
+                except ValueError as err:  # the parser's reason, e.g. its nesting limit
                     raise RequestError(
-                        "tool call arguments must be a JSON object in text",
+                        f"tool call arguments must be a JSON object in text ({err})",
                         param=f"messages.{i}.tool_calls",
                     ) from None
 

@@ -15,6 +15,8 @@ import re
 import uuid
 from typing import Any
 
+from adaspark.server.schemas import parse_json
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
@@ -25,7 +27,7 @@ def _call_from(obj: Any) -> dict[str, Any] | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = parse_json(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -52,8 +54,8 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
             return None  # prose between blocks: not a bare call
         end = match.end()
         try:
-            body = json.loads(match.group(1))
-        except ValueError:
+            body = parse_json(match.group(1))
+        except ValueError:  # malformed, or nested past the parser's limit
             return None
         for obj in body if isinstance(body, list) else [body]:
             call = _call_from(obj)

@@ -29,6 +29,20 @@ PINNED_WIDTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 
 @dataclass
+class RequestTally:
+    """One request's decode: tokens and simulated seconds, and those of its probe rounds."""
+
+    tokens: int = 0
+    time_s: float = 0.0
+    probe_tokens: int = 0
+    probe_s: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else 0.0
+
+
+@dataclass
 class ArmResult:
     arm: str
     tokens: int = 0
@@ -41,6 +55,7 @@ class ArmResult:
     labels: int = 0
     records: list[RoundRecord] = field(default_factory=list)
     rounds_by_kind: Counter = field(default_factory=Counter)  # drafted, ngram, plain
+    per_request: list[RequestTally] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -89,11 +104,16 @@ def run_arm(curve: CostCurve, world: World, arm: Arm, requests: int,
     for index in range(requests):
         sim = SimTarget(curve, world, world.request(index))
         sched.begin_request(sim.req.stream[: sim.context])
+        tally = RequestTally()
         while sim.context < sim.end:
             r = run_round(sched, sim, sim.context, stop_ids=(EOS,))
             emitted = len(r.committed.emitted)
-            result.tokens += emitted
-            result.time_s += r.times.fixed_s + r.times.verify_s + r.times.commit_s
+            round_s = r.times.fixed_s + r.times.verify_s + r.times.commit_s
+            tally.tokens += emitted
+            tally.time_s += round_s
+            if r.record.chosen_by is ChosenBy.PROBE:
+                tally.probe_tokens += emitted
+                tally.probe_s += round_s
             result.rounds += 1
             result.rounds_by_kind[r.record.kind] += 1
             _score(result, r.record)
@@ -102,6 +122,9 @@ def run_arm(curve: CostCurve, world: World, arm: Arm, requests: int,
             sim.context += emitted
             sim.k += 1
         sched.end_request()
+        result.tokens += tally.tokens
+        result.time_s += tally.time_s
+        result.per_request.append(tally)
     return result
 
 

@@ -27,6 +27,7 @@ GROUP = 32
 PACKABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 # what each build was compiled for (paths.ISA_FLAGS), as /proc/cpuinfo names it
 _CPU_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
+              "avxvnni": {"avx2", "fma", "f16c", "avx_vnni"},
               "avx2": {"avx2", "fma", "f16c"}}
 
 

@@ -23,6 +23,9 @@
     defined(__AVX512VNNI__)
 #define ADASPARK_AVX512 1
 static const char* kIsa = "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#define ADASPARK_AVXVNNI 1  // 256-bit vpdpbusd (Alder Lake and later, Zen 5): the avx2 path's
+static const char* kIsa = "avxvnni";  // float steps, one integer instruction a chunk
 #elif defined(__AVX2__) && defined(__FMA__)
 static const char* kIsa = "avx2";
 #else
@@ -386,10 +389,13 @@ inline int32_t chunk_of(const int8_t* p) {  // 4 int8 inputs as one 32-bit lane 
 // acc + block b's contribution to row r from its integer sums s = sum(u*q) over W outputs
 // whose scales are dw, mw: d*dx*(s - zero*sum(q)), or d*dx*s + m*dx*sum(q) without a zero.
 // Every path (VNNI, AVX2, AMX) ends a block here, so a row's float steps are one sequence.
+// centred: s already holds sum((u - zero)*q) (plain AVX2's Q8_0 dot), the same integer as
+// s - zero*sum(q), so the float steps that follow are the same too.
 inline vf add_block(vf acc, vi s, vf dw, vf mw, const QWeight& w, const QAct& a, int64_t r,
-                    int64_t b) {
+                    int64_t b, bool centred = false) {
   const int64_t at = r * a.nb + b;
   const vf scale = vmul(dw, vset1(a.dx[at]));
+  if (centred) return vfma(vfloat(s), scale, acc);
   if (w.zero)
     return vfma(vfloat(vsub_i(s, vset1_i(static_cast<int32_t>(w.zero) * a.qs[at]))), scale, acc);
   return vfma(mw, vset1(a.xs[at]), vfma(vfloat(s), scale, acc));
@@ -437,8 +443,24 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
   for (int i = 0; i < R; ++i)
     _mm512_mask_storeu_ps(y + (r0 + i) * ldy + 16 * g, static_cast<__mmask16>((1u << valid) - 1), acc[i]);
 #else
+  // 8 outputs a register, so two halves of the group, each over all blocks (a half's 8 chunk
+  // registers loaded once for R rows). Per row and chunk of 4 inputs, the integer sums (exact,
+  // so every way of forming them gives the same result):
+  // - AVX-VNNI: one vpdpbusd (u unsigned, q signed, 4 products into each int32 lane);
+  // - AVX2, 4 bits: vpmaddubsw pairs (|u*q + u'*q'| <= 2*15*127) summed in int16 over the 8
+  //   chunks (<= 30480, no saturation), widened once a block by vpmaddwd;
+  // - AVX2, 8 bits around zero 128 (Q8_0): c = u - 128 as signed bytes, |c| (<= 128, read
+  //   unsigned) times q carrying c's sign (|q| <= 127) in vpmaddubsw, pairs <= 2*128*127;
+  // - AVX2, 8 bits with free minimums (4-bit parts widened): u as two nibbles.
+  // One pass over both halves at once (each broadcast serving 16 outputs) was faster with the
+  // weights in cache and slower streaming them, as a verify does (docs/native-forward.md).
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+#ifndef ADASPARK_AVXVNNI
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const bool centred = w.bits == 8 && w.zero == 128;
+#else
+  constexpr bool centred = false;
+#endif
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -458,24 +480,50 @@ inline void group_rows(const QWeight& w, const QAct& a, int64_t g, int64_t r0, f
       const int64_t at = (g * w.nb + b) * 16 + 8 * half;
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dp + at)));
       const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mp + at)));
-      for (int i = 0; i < R; ++i) {
-        const int64_t r = r0 + i;
-        const int8_t* xb = a.q.data() + r * a.k + b * kBlock;
-        __m256i s = _mm256_setzero_si256();
+      __m256i s[R];
+      const int8_t* xb[R];
+      for (int i = 0; i < R; ++i) xb[i] = a.q.data() + (r0 + i) * a.k + b * kBlock;
+      auto x_of = [&](int i, int j) { return _mm256_set1_epi32(chunk_of(xb[i] + 4 * j)); };
+#ifdef ADASPARK_AVXVNNI
+      for (int i = 0; i < R; ++i) {  // two chains, as on the avx512 path
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm256_dpbusd_avx_epi32(s0, u[j], x_of(i, j));
+          s1 = _mm256_dpbusd_avx_epi32(s1, u[j + 1], x_of(i, j + 1));
+        }
+        s[i] = _mm256_add_epi32(s0, s1);
+      }
+#else
+      if (w.bits == 4) {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_maddubs_epi16(u[0], x_of(i, 0));
+        for (int j = 1; j < 8; ++j)
+          for (int i = 0; i < R; ++i)
+            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(u[j], x_of(i, j)));
+        for (int i = 0; i < R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
+      } else if (centred) {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
-          const __m256i x = _mm256_set1_epi32(chunk_of(xb + 4 * j));
-          if (w.bits == 4) {  // u <= 15: maddubs's int16 pair sums cannot saturate
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), ones));
-          } else {  // u = 16*hi + lo, each part in 0..15, so again no saturation
-            const __m256i lo = _mm256_and_si256(u[j], low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u[j], 4), low4);
-            const __m256i sl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones);
-            const __m256i sh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), ones);
-            s = _mm256_add_epi32(s, _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 4)));
+          const __m256i c = _mm256_xor_si256(u[j], flip);  // the signed c = u - 128
+          const __m256i mag = _mm256_abs_epi8(c);          // -128 gives 0x80: 128 unsigned
+          for (int i = 0; i < R; ++i) {
+            const __m256i sq = _mm256_sign_epi8(x_of(i, j), c);
+            s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sq), ones));
           }
         }
-        acc[i] = add_block(acc[i], s, dw, mw, w, a, r, b);
+      } else {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {  // u = 16*hi + lo, each part in 0..15: no saturation
+          const __m256i lo = _mm256_and_si256(u[j], low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u[j], 4), low4);
+          for (int i = 0; i < R; ++i) {
+            const __m256i sl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_of(i, j)), ones);
+            const __m256i sh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_of(i, j)), ones);
+            s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 4)));
+          }
+        }
       }
+#endif
+      for (int i = 0; i < R; ++i) acc[i] = add_block(acc[i], s[i], dw, mw, w, a, r0 + i, b, centred);
     }
     const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
     for (int i = 0; i < R && valid > 0; ++i) {

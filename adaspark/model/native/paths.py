@@ -13,9 +13,11 @@ ISA_FLAGS = {
     # OS allow (nothing else in the build may use them, so the build still runs without AMX)
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
                "-mamx-tile", "-mamx-int8"],
+    # AVX-VNNI: the avx2 build's code with 256-bit vpdpbusd (Intel client cores from Alder Lake)
+    "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-PREFERENCE = ("avx512", "avx2")  # best first
+PREFERENCE = ("avx512", "avxvnni", "avx2")  # best first
 
 
 def module_name(isa: str) -> str:

@@ -1,10 +1,11 @@
 """The one owner of what the caches hold: the token ids whose K/V sit in the target's cache (and
 the drafter's, when there is one), and the invariant that ties them.
 
-Invariant, checked after every commit: target.cache.length == len(ids) (== drafter.length). A
-failure half-way through a prefill or a round leaves the caches undefined, so `guard()` resets
-all three and the next request starts clean. The engine and the speculator change the ids only
-through this object.
+Invariant, checked after every commit: kv.length == len(ids) (== drafter.length). A failure
+half-way through a prefill or a round leaves the caches undefined, so `guard()` resets all three
+and the next request starts clean. The engine and the speculator change the ids only through
+this object. kv is the target's own cache unless another is given: a batch slot (batch.py), one
+per running sequence, whose K/V the target reads through `target.using(kv)`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,23 @@ from typing import Any
 
 
 class CachedTokens:
-    def __init__(self, target: Any, drafter: Any | None = None) -> None:
+    def __init__(self, target: Any, drafter: Any | None = None, kv: Any | None = None) -> None:
         self.target = target
         self.drafter = drafter
+        self._kv = kv
         self.ids: list[int] = []
+
+    @property
+    def kv(self) -> Any:
+        """The KV cache these ids describe (the target's own unless a slot's was given)."""
+        return self.target.cache if self._kv is None else self._kv
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def reset(self) -> None:
         """Forget everything cached (the next request prefills from scratch)."""
-        self.target.reset()
+        self.kv.reset()
         if self.drafter is not None:
             self.drafter.reset()
         self.ids = []
@@ -41,13 +48,13 @@ class CachedTokens:
 
     def trusted_prefix(self) -> list[int]:
         """The ids, unless someone else moved the target's cache: then none is trusted."""
-        if self.target.cache.length != len(self.ids):
+        if self.kv.length != len(self.ids):
             self.ids = []
         return self.ids
 
     def keep(self, n: int) -> None:
         """Truncate the target to its first n tokens (the drafter follows after the prefill)."""
-        self.target.truncate(n)
+        self.kv.truncate(n)
         self.ids = self.ids[:n]
 
     def prefilled(self, prompt: Iterable[int]) -> None:
@@ -60,7 +67,7 @@ class CachedTokens:
         self.check()
 
     def check(self) -> None:
-        length = self.target.cache.length
+        length = self.kv.length
         if len(self.ids) != length:
             raise RuntimeError(f"{len(self.ids)} cached ids, the target's cache holds {length}")
         if self.drafter is not None and self.drafter.length != length:

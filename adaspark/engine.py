@@ -4,24 +4,24 @@ timing.
 One `Engine` owns a target `Transformer` (its KV cache holds the conversation so far) and the
 model's `Tokenizer`. A request renders the messages through the chat template, reuses the cached
 prefix it shares with the previous request, prefills the rest, then decodes. Plain decoding is
-the 1-row case of the target's verify path (row at depth 0, then commit it); the speculative
-arms of the paper's Algorithm 1 plug in as other `_decode_*` loops over the same `Reply`, which
-applies every stop (stop token, stop string, max tokens) token by token, so a round that accepts
-several tokens at once stops at exactly the same place. Sampling (sampling.py) replaces each
-row's argmax by its position-keyed Gumbel-max pick; greedy requests never build a Sampler.
+the 1-row case of the target's verify path (row at depth 0, then commit it), run step by step
+by sequence.py's `Decode` in batch.py's `Batch` (alone here, beside other requests in the
+server); the speculative arms of the paper's Algorithm 1 run as speculative.py's rounds over
+the same `Reply`, which applies every stop (stop token, stop string, max tokens) token by token,
+so a round that accepts several tokens at once stops at exactly the same place. Sampling
+(sampling.py) replaces each row's argmax by its position-keyed Gumbel-max pick; greedy requests
+never build a Sampler.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from adaspark.batch import Batch
 from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.model.sources import resolve_model
@@ -29,11 +29,11 @@ from adaspark.model.tokenizer import StreamDecoder, Tokenizer
 from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler, SamplingParams
 from adaspark.scheduler.record import RoundRecord
+from adaspark.sequence import Decode, StopRequest, common_prefix, prefill
 from adaspark.speculative import Speculator, load_speculator
 
 TextCallback = Callable[[str], None]
-StopRequest = Callable[[], bool]  # polled between forwards; True cancels the request
-_ONE_ROW_MASK = np.ones((1, 1), dtype=bool)
+__all__ = ["Decode", "Engine", "Generation", "Reply", "StopRequest", "Timing", "common_prefix"]
 
 
 @dataclass
@@ -173,16 +173,6 @@ class Reply:
             self._streamed = upto
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items a and b share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Engine:
     """A target model, its tokenizer, and the conversation held in its KV cache."""
 
@@ -194,6 +184,9 @@ class Engine:
         self.speculator = speculator  # None: plain decoding (the `ar` arm)
         # the tokens whose K/V sit in target.cache (and the drafter's): their one owner
         self.cache = CachedTokens(target, speculator.drafter if speculator else None)
+        # plain decoding's running requests, the engine's own cache their first slot; the
+        # server lets several run at once (max_slots), a request alone runs by itself
+        self.batch = Batch(target, self.cache, self.context_length)
 
     @classmethod
     def load(cls, model: str | Path | None = None, options: ModelOptions | None = None, *,
@@ -231,6 +224,8 @@ class Engine:
     def reset(self) -> None:
         """Forget the conversation (the next request prefills from scratch)."""
         self.cache.reset()
+        for slot in self.batch.slots:
+            slot.reset()
 
     def generate(self, prompt: Sequence[Mapping[str, Any]] | Sequence[int], *,
                  tools: Sequence[Mapping[str, Any]] | None = None, max_tokens: int = 256,
@@ -256,7 +251,32 @@ class Engine:
                      request_id: str | None = None,
                      sampling: SamplingParams | None = None) -> Generation:
         """Continuation of prompt token ids (the chat template already applied), greedy unless
-        `sampling` says otherwise. request_id names the request in the round log."""
+        `sampling` says otherwise. request_id names the request in the round log. Plain
+        decoding runs as a batch of one (batch.py): not while a server drives the batch."""
+        seq = self.new_decode(prompt, max_tokens=max_tokens, stop=stop, on_text=on_text,
+                              should_stop=should_stop, request_id=request_id, sampling=sampling)
+        if self.speculator is None:
+            try:
+                if self.batch.add(seq):
+                    while not seq.finished:
+                        self.batch.step()
+            except BaseException as err:  # e.g. Ctrl-C: the next request starts clean
+                self.batch.drop(seq, err)
+                raise
+        else:
+            first = prefill(self.target, self.cache, seq.prompt, seq.timing, seq.sampler,
+                            self.speculator)
+            self._decode_speculative(first, seq.reply, seq.timing, should_stop, request_id,
+                                     seq.sampler)
+        if seq.error is not None:
+            raise seq.error
+        return self.result(seq)
+
+    def new_decode(self, prompt: Sequence[int], *, max_tokens: int = 256,
+                   stop: Sequence[str] = (), on_text: TextCallback | None = None,
+                   should_stop: StopRequest | None = None, request_id: str | None = None,
+                   sampling: SamplingParams | None = None) -> Decode:
+        """A request checked and ready to start (generate_ids' arguments)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise UserError("empty prompt")
@@ -268,75 +288,22 @@ class Engine:
         sampler = None
         if sampling is not None and not sampling.check().greedy:
             sampler = Sampler(sampling, self.target.config.vocab_size)
-        reply = Reply(self.tokenizer, max_tokens, stop, on_text)
-        timing = Timing(prompt_tokens=len(prompt))
-        first = self._prefill(prompt, timing, sampler)
-        if self.speculator is None:
-            self._decode_plain(first, reply, timing, should_stop, sampler)
-        else:
-            self._decode_speculative(first, reply, timing, should_stop, request_id, sampler)
+        return Decode(prompt, Reply(self.tokenizer, max_tokens, stop, on_text),
+                      Timing(prompt_tokens=len(prompt)), sampler, should_stop, request_id)
+
+    @staticmethod
+    def result(seq: Decode) -> Generation:
+        """The finished request's reply."""
+        sampler, reply = seq.sampler, seq.reply
         logprobs = None
         if sampler is not None and sampler.params.logprobs:  # a stop token gets no entry
             logprobs = sampler.logprobs[:len(reply.token_ids)]
-        return Generation(text=reply.text, token_ids=reply.token_ids, prompt_token_ids=prompt,
+        return Generation(text=reply.text, token_ids=reply.token_ids,
+                          prompt_token_ids=seq.prompt,
                           finish_reason=reply.finish_reason or "length",
-                          stop_token_id=reply.stop_token_id, timings=timing,
+                          stop_token_id=reply.stop_token_id, timings=seq.timing,
                           seed=sampler.seed if sampler is not None else None,
                           logprobs=logprobs)
-
-    def _prefill(self, prompt: list[int], timing: Timing, sampler: Sampler | None = None) -> int:
-        """Bring the cache to `prompt`, reusing the shared prefix; returns the first reply token."""
-        # At least the last prompt token is run again: its logits give the first reply token.
-        keep = min(common_prefix(self.cache.trusted_prefix(), prompt), len(prompt) - 1)
-        start = time.perf_counter()
-        with self.cache.guard():  # the cache may hold part of the prompt: start the next clean
-            self.cache.keep(keep)
-            logits = sampler is not None
-            if self.speculator is None:
-                out = self.target.prefill(prompt[keep:], return_logits=logits)
-            else:  # the drafter's cache follows the target's: the same kept prefix, then taps
-                out = self.target.prefill(prompt[keep:], tap_layers=self.speculator.tap_layers,
-                                          return_logits=logits)
-                self.speculator.after_prefill(keep, out.hiddens)
-            self.cache.prefilled(prompt)
-            self.cache.check()
-        if sampler is None:
-            first = int(out.argmax[-1])
-        else:  # the first reply token sits at position len(prompt)
-            picks, x = sampler.sample(out.logits[-1:], [len(prompt)])
-            first = int(picks[0])
-            sampler.record(x[0], first)
-        timing.prefill_s = time.perf_counter() - start
-        timing.reused_tokens = keep
-        return first
-
-    def _decode_plain(self, token: int, reply: Reply, timing: Timing,
-                      should_stop: StopRequest | None, sampler: Sampler | None = None) -> None:
-        """One token per target forward: verify a single row at depth 0, commit it."""
-        start = time.perf_counter()
-        while not reply.push(token):
-            if sampler is not None:
-                sampler.observe(token)
-            if len(self.cache) >= self.context_length:
-                reply.end("length")
-                break
-            if should_stop is not None and should_stop():
-                reply.end("cancelled")
-                break
-            out = self.target.verify([token], [0], _ONE_ROW_MASK,
-                                     return_logits=sampler is not None)
-            self.target.commit([0])
-            self.cache.commit([token])
-            if sampler is None:
-                token = int(out.argmax[0])
-            else:  # the row sits at len(cache) - 1; its pick one position later
-                picks, x = sampler.sample(out.logits, [len(self.cache)])
-                token = int(picks[0])
-                sampler.record(x[0], token)
-            timing.decode_tokens += 1
-            timing.plain_rounds += 1
-            timing.verified_rows += 1
-        timing.decode_s = time.perf_counter() - start
 
     def _decode_speculative(self, token: int, reply: Reply, timing: Timing,
                             should_stop: StopRequest | None, request_id: str | None,

@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaspark import threads
 from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions
@@ -208,6 +209,7 @@ class Speculator:
 
     def _round(self, target: _EngineTarget, room: int, timing: Timing,
                request_id: str | None) -> bool:
+        threads.adapt()  # fewer threads while other processes keep cores busy
         ctx = self.target.cache.length + 1  # committed tokens, the anchor included
         result = run_round(self.scheduler, target, ctx, self.stop_ids, room)
         target.anchor = result.outcome.bonus

@@ -8,7 +8,6 @@ is answered before a request needs the engine.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import select
@@ -18,7 +17,7 @@ import time
 
 import httpx
 import pytest
-import uvicorn
+from test_server import _serving
 
 from adaspark.server import create_app
 from adaspark.server.toolcalls import parse_tool_calls
@@ -28,25 +27,6 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 CAP = 1 << 20
 DEEP = 200_000  # far past any JSON parser's nesting limit and Python's recursion limit
 HI = [{"role": "user", "content": "hi"}]
-
-
-@contextlib.contextmanager
-def _serving(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +40,8 @@ def port():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("adaspark.server.app.MAX_BODY_BYTES", CAP)
         app = create_app(load, model_id="m", api_key=KEY)
-    with _serving(app) as bound:
-        yield bound
+    with _serving(app) as base:
+        yield int(base.rsplit(":", 1)[1])
         gate.set()  # lets the engine thread end
 
 

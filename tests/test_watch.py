@@ -123,7 +123,9 @@ def test_probe_rounds_and_widths_by_label(served):
 def test_streamed_requests_count_and_the_queue_gauges_move(served):
     base, client = served["base"], served["client"]
     before = scrape(base)
-    stream = client.chat.completions.create(model="m", messages=COPY, max_tokens=400,
+    # a reply that runs to its cap (seconds), so it is still running when the client leaves
+    count = [{"role": "user", "content": "Write the numbers from 1 to 3000, separated by commas."}]
+    stream = client.chat.completions.create(model="m", messages=count, max_tokens=2000,
                                             stream=True)
     next(iter(stream))  # the engine is running it now
     assert scrape(base)[("adaspark_requests_running", ())] == 1

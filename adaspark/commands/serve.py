@@ -1,7 +1,9 @@
 """`adaspark serve`: the OpenAI-compatible HTTP server on one model and one arm.
 
 The port opens at once; the model loads in the background (/health answers 503 until it is
-ready). A model that fails to load stops the server with that error.
+ready). A model that fails to load stops the server with that error. Up to --parallel requests
+decode at once (plain decoding batches their rows into one forward; the speculative arms run one
+at a time), up to --queue more wait, and past that a request gets 429 (server/worker.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "and the dashboard's page (default: $ADASPARK_API_KEY, else none)")
     parser.add_argument("--public-metrics", action="store_true",
                         help="serve /metrics and the dashboard's data without the key")
+    parser.add_argument("--parallel", type=int, default=None, metavar="N",
+                        help="requests decoding at once, their rows batched into one forward "
+                             "(default: two per core, at most 8, and no more KV slots than a "
+                             "quarter of the free memory holds)")
+    parser.add_argument("--queue", type=int, default=None, metavar="N",
+                        help="requests waiting at most before new ones get 429 with Retry-After "
+                             "(default: 8 per parallel slot)")
 
 
 def api_key(args: argparse.Namespace, environ=os.environ) -> str | None:
@@ -67,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Bad options fail here, at once, rather than after the port has opened (--arm: argparse).
     key = api_key(args)
+    for flag, value in (("--parallel", args.parallel), ("--queue", args.queue)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, not {value}")
     options = ModelOptions.from_args(args)
     model_path = resolve_model(options.model)
     failure: list[BaseException] = []
@@ -85,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         logging.warning("listening on %s without an API key: anyone who reaches the port can "
                         "use it (--api-key)", args.host)
     app = create_app(load, model_id=model_path.stem, api_key=key,
-                     public_metrics=args.public_metrics)
+                     public_metrics=args.public_metrics, parallel=args.parallel,
+                     queue_limit=args.queue)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     keyed = "" if key is None else (" (open: --public-metrics)" if args.public_metrics
                                      else " (both behind the API key)")

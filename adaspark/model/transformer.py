@@ -24,9 +24,10 @@ Layout choices:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -476,6 +477,49 @@ class Transformer:
 
     def reset(self) -> None:
         self.cache.reset()
+
+    # --- several sequences, each over its own cache (continuous batching, batch.py) ------------
+
+    def new_cache(self) -> KVCache:
+        """An empty cache shaped like the model's own: another sequence's slot."""
+        c, own = self.config, self.cache
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, own.capacity, own.k.dtype,
+                       self.device)
+
+    @contextlib.contextmanager
+    def using(self, cache: KVCache) -> Iterator[None]:
+        """Run the single-sequence verbs (prefill, verify, commit) on `cache` meanwhile."""
+        own, self.cache = self.cache, cache
+        try:
+            yield
+        finally:
+            self.cache = own
+
+    def verify_many(self, caches: Sequence[KVCache], rows: Sequence[tuple], *,
+                    return_logits: bool = False) -> ForwardOut:
+        """verify() for several sequences at once: rows[s] = (tokens, depths, ancestor_mask) at
+        the end of caches[s]. The output rows follow in sequence order, each bit-identical to
+        its sequence's verify alone: the native forward runs them in one call (its rows do not
+        depend on their neighbours), any other forward one sequence after another."""
+        if self.native is None or len(caches) == 1:
+            outs = []
+            for cache, (tokens, depths, mask) in zip(caches, rows, strict=True):
+                with self.using(cache):
+                    outs.append(self.verify(tokens, depths, mask, return_logits=return_logits))
+            logits = [o.logits for o in outs] if return_logits else None
+            return ForwardOut(torch.cat([o.argmax for o in outs]),
+                              None if logits is None else torch.cat(logits))
+        for cache, (tokens, _, _) in zip(caches, rows, strict=True):
+            cache.check_room(len(tokens))
+        tokens = [int(t) for r in rows for t in r[0]]
+        positions = torch.cat([c.length + torch.as_tensor(np.asarray(r[1]), dtype=torch.long)
+                               for c, r in zip(caches, rows, strict=True)])
+        anc = torch.block_diag(*[torch.as_tensor(np.asarray(r[2]), dtype=torch.bool)
+                                 for r in rows])
+        x, _ = self.native.forward_batch([c.k for c in caches], [c.v for c in caches],
+                                         [c.length for c in caches], [len(r[0]) for r in rows],
+                                         self._tokens(tokens), positions, anc, [])
+        return self._head(x, self.kernels.choose(len(tokens)), return_logits)
 
     # --- batched causal paths (drafter training data) --------------------------------------------
 

@@ -1,10 +1,11 @@
 """The OpenAI-compatible routes: /v1/chat/completions (SSE or not), /v1/models, /health.
 
 Requests are parsed and tokenised on the event loop's side; generation runs on the engine's own
-thread (see worker.py), one request at a time in arrival order. Any model name is accepted in a
-request: the server serves exactly one model, and echoes its id in every response. A prompt that
-fills the context is refused (400, context_length_exceeded); otherwise the reply may run to
-max_tokens or to the end of the context, whichever comes first (finish_reason "length").
+thread (see worker.py), several plain-decoding requests at once in one batch (`parallel`), the rest
+queued in arrival order; past the queue's bound a request gets 429 with Retry-After. Any model name
+is accepted in a request: the server serves exactly one model, and echoes its id in every response.
+A prompt that fills the context is refused (400, context_length_exceeded); otherwise the reply may
+run to max_tokens or to the end of the context, whichever comes first (finish_reason "length").
 Every response, streamed or not, carries `usage` and the engine's `timings` for the request (of
 its first choice when n > 1). A sampled response also carries `adaspark: {"seed": S}`: choice i
 used seed S + i, so any reply can be reproduced. Logprobs, when asked for, come whole in each
@@ -28,20 +29,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from adaspark.errors import UserError
-from adaspark.server.auth import ApiKey, ApiKeyMiddleware
+from adaspark.server.auth import ApiKey, ApiKeyMiddleware, is_open
 from adaspark.server.errors import (
+    BodyLimitMiddleware,
     error_body,
     error_response,
+    error_responses,
     install_error_handlers,
-    log,
+    internal_error,
     validation_message,
 )
-from adaspark.server.schemas import ChatRequest, Message, RequestError
+from adaspark.server.schemas import ChatRequest, Message, RequestError, openapi_body
 from adaspark.server.toolcalls import may_be_tool_call, parse_tool_calls
 from adaspark.server.watch import Watch, watch_routes
-from adaspark.server.worker import Cancelled, EngineWorker, Job
+from adaspark.server.worker import Cancelled, EngineWorker, Job, QueueFull
 
 MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context; guards memory only
+RETRY_AFTER_S = 1  # what a refused client is told to wait: about a few replies' decode time
 
 
 class Unavailable(Exception):
@@ -71,15 +75,17 @@ def _usage(prompt_tokens: int, results: list[Any]) -> dict[str, int]:
 
 
 def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | None = None,
-               public_metrics: bool = False) -> FastAPI:
+               public_metrics: bool = False, parallel: int | None = None,
+               queue_limit: int | None = None) -> FastAPI:
     """The app; `load_engine()` runs on the engine thread at startup, so the port opens at once.
     api_key: every route but /health and the dashboard's page needs it (auth.py), /metrics too
-    unless public_metrics."""
+    unless public_metrics. parallel, queue_limit: requests decoding at once and waiting at most
+    (worker.py; None: chosen from the machine at load)."""
     watch = Watch(model_id)  # metrics, learned state, dashboard (watch.py)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.worker = EngineWorker(watch.loader(load_engine))
+        app.state.worker = EngineWorker(watch.loader(load_engine), parallel, queue_limit)
         watch.watch(app.state.worker)
         yield
         app.state.worker.close()
@@ -88,8 +94,10 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
     app.state.watch = watch
     install_error_handlers(app)
     app.include_router(watch_routes(watch))
-    if api_key is not None:
+    app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
+    if api_key is not None:  # added last, so it runs first: no body is read before the key
         app.add_middleware(ApiKeyMiddleware, key=ApiKey(api_key), public_metrics=public_metrics)
+        declare_api_key(app, public_metrics)
 
     @app.exception_handler(Unavailable)
     async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
@@ -103,7 +111,7 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
             raise Unavailable(503, "the model is still loading; retry shortly")
         return worker.engine
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(500, 503))
     async def health() -> JSONResponse:
         engine = ready_engine()
         return JSONResponse({"status": "ok", "model": model_id,
@@ -114,12 +122,10 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
         card = {"id": model_id, "object": "model", "created": 0, "owned_by": "adaspark"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra={"requestBody": openapi_body(ChatRequest)},
+              responses=error_responses(400, 413, 429, 500, 503))
     async def chat_completions(request: Request):
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return error_response(413, f"request body over {MAX_BODY_BYTES >> 20} MiB")
-        body = await request.body()
+        body = await request.body()  # BodyLimitMiddleware holds it to MAX_BODY_BYTES
         try:
             req = ChatRequest.model_validate_json(body)
         except ValidationError as err:
@@ -150,12 +156,45 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
         jobs = [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
                     cancel=cancel, sampling=choice_sampling(sampling, i))
                 for i in range(req.n or 1)]
+        if app.state.worker.full:  # checked at arrival: a stream's status goes out at once
+            return busy_response()
         if req.stream:
             stream = _sse(app.state.worker, jobs, reply, req.include_usage())
             return StreamingResponse(stream, media_type="text/event-stream")
         return await _complete(request, app.state.worker, jobs, reply)
 
     return app
+
+
+def declare_api_key(app: FastAPI, public_metrics: bool) -> None:
+    """The OpenAPI document declares a 401 on exactly the routes that the key guards (auth.py's
+    is_open decides both), whoever defined them."""
+    document = app.openapi
+
+    def with_401() -> dict[str, Any]:
+        doc = document()  # FastAPI's, built once and cached: adding twice changes nothing
+        unauthorized = error_responses(401)[401]
+        schema = {"$ref": f"#/components/schemas/{unauthorized.pop('model').__name__}"}
+        unauthorized["content"] = {"application/json": {"schema": schema}}
+        for path, operations in doc["paths"].items():
+            if not is_open(path, public_metrics):
+                for operation in operations.values():
+                    operation["responses"].setdefault("401", unauthorized)
+        return doc
+
+    app.openapi = with_401
+
+
+def busy_body() -> dict[str, Any]:
+    """OpenAI's error object for a full queue (status 429)."""
+    return error_body(429, "the server is busy: too many requests are waiting; retry shortly",
+                      code="rate_limit_exceeded")
+
+
+def busy_response() -> JSONResponse:
+    """429 with Retry-After: the queue holds as many requests as it may."""
+    return JSONResponse(busy_body(), status_code=429,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def choice_sampling(sampling: Any, index: int) -> Any:
@@ -224,6 +263,8 @@ async def _complete(request: Request, worker: EngineWorker, jobs: list[Job],
         return error_response(400, str(err))
     except Cancelled:
         return error_response(400, "request cancelled")  # nobody is listening any more
+    except QueueFull:
+        return busy_response()
     finally:
         watcher.cancel()
     choices = []
@@ -280,7 +321,11 @@ async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, 
             loop.call_soon_threadsafe(pieces.put_nowait, item)
 
     job.on_text = post
-    future = worker.submit(job)
+    try:
+        future = worker.submit(job)
+    except QueueFull:  # a later choice of n found the queue full: the status was sent already
+        yield f"data: {json.dumps(busy_body())}\n\n"
+        return
     future.add_done_callback(lambda _: post(_DONE))
     first = True
     held = ""  # text kept back while the reply may still be a bare tool call
@@ -307,8 +352,7 @@ async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, 
         yield f"data: {json.dumps(error_body(400, str(err) or 'request cancelled'))}\n\n"
         return
     except Exception as err:  # a bug: say so in the stream, whose status was already sent
-        log.exception("internal error while streaming")
-        yield f"data: {json.dumps(error_body(500, f'internal server error: {err!r}'))}\n\n"
+        yield f"data: {json.dumps(internal_error(err, f'streaming {reply.id}')[1])}\n\n"
         return
     calls = parse_tool_calls(held) if held else None
     if calls:

@@ -1,25 +1,44 @@
-"""The one thread that owns the engine: loads it, then runs requests one at a time.
+"""The one thread that owns the engine: loads it, then runs the requests, several at once.
 
-A single-worker executor gives arrival order and mutual exclusion for free: loading is its first
-job, every request is queued behind the one before it, and the engine (its KV cache, its learned
-store) is only ever touched from that thread. Cancellation is a flag the engine checks between
-tokens; a request cancelled while still queued is skipped without touching the engine.
+Every request is a Job queued in arrival order; the engine (its KV caches, its learned store) is
+only ever touched from the engine thread. For plain decoding (`ar`) the thread runs the engine's
+Batch (batch.py): between two steps, queued jobs join the running batch while fewer than
+`parallel` run, so each step verifies one row of every running request in one forward. The
+speculative arms run one request at a time, start to end (their drafter and scheduler state is
+per engine, not yet per request). Past `parallel` running, jobs wait in the queue (the metrics'
+waiting gauge); past `queue_limit` waiting, submit() refuses them (QueueFull: the server's
+429).
+
+Cancellation is a flag: a running request sees it at its next step (its slot is free from that
+step on); a queued one is dropped without touching the engine. A request that fails fails alone.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("adaspark.server")
 
+# prompt tokens of arrivals prefilled between two steps: the running requests' next tokens wait
+# for those prefills, so arrivals join a few at a time (a long prompt goes on a chunk per step)
+PREFILL_PER_STEP = 512
+MAX_PARALLEL = 8  # past this a CPU step is compute-bound: more rows only slow every request
+RAM_SHARE = 0.25  # of the memory available at load, at most this much goes to KV slots
+
 
 class Cancelled(Exception):
     """The client went away before its request reached the engine."""
+
+
+class QueueFull(Exception):
+    """As many requests wait as the queue holds: come back later."""
 
 
 @dataclass
@@ -33,76 +52,225 @@ class Job:
     sampling: Any = None  # a SamplingParams; None: greedy
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux: MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_parallel(slot_bytes: int, cores: int | None = None,
+                     memory: int | None = None) -> int:
+    """Requests decoding at once when --parallel is not given: two per core (a CPU step is
+    bound by reading the weights, so a few more rows cost little: 4 rows cost 1.3-1.7x one on
+    2 cores), at most MAX_PARALLEL, and no more KV slots than RAM_SHARE of `memory` holds."""
+    cores = cores or len(os.sched_getaffinity(0))
+    n = min(MAX_PARALLEL, 2 * cores)
+    if memory is not None and slot_bytes > 0:
+        n = min(n, int(memory * RAM_SHARE // slot_bytes))
+    return max(1, n)
+
+
+def slot_bytes(engine: Any) -> int:
+    """The bytes of one request's KV slot (the engine's own cache's size)."""
+    cache = engine.target.cache
+    return int(cache.k.numel() * cache.k.element_size() * 2)
+
+
 class EngineWorker:
-    def __init__(self, load: Callable[[], Any]):
+    """parallel: requests decoding at once (None: default_parallel); queue_limit: requests
+    waiting at most (None: 8 per running slot)."""
+
+    def __init__(self, load: Callable[[], Any], parallel: int | None = None,
+                 queue_limit: int | None = None):
+        if parallel is not None and parallel < 1:
+            raise ValueError(f"parallel must be at least 1, not {parallel}")
         self.engine: Any = None
         self.load_error: str | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaspark-engine")
-        self._running: Job | None = None
+        self.parallel = parallel
+        self.queue_limit = queue_limit
         self.last_result: Any = None  # the engine's record of the latest finished request
-        self.waiting = 0  # submitted jobs not yet started (the metrics' queue gauge)
-        self._count = threading.Lock()
+        self._queue: deque[tuple[Job, Future]] = deque()
+        # id(Decode) -> (the Decode, its job, its future): admitted, not yet settled
+        self._running: dict[int, tuple[Any, Job, Future]] = {}
+        self._lone: tuple[Job, Future] | None = None  # a speculative request, run whole
+        self._wake = threading.Condition()
+        self._closed = False
         # called on the engine thread after each job: (job, result), or (job, None) when the
         # job raised or was cancelled before it started (the server's metrics)
         self.observers: list[Callable[[Job, Any], None]] = []
-        self._executor.submit(self._load, load)
-
-    def _load(self, load: Callable[[], Any]) -> None:
-        try:
-            self.engine = load()
-        except Exception as err:  # reported by /health and every request, and logged
-            self.load_error = str(err) or type(err).__name__
-            log.error("model failed to load: %s", self.load_error)
+        self._thread = threading.Thread(target=self._main, args=(load,), daemon=True,
+                                        name="adaspark-engine")
+        self._thread.start()
 
     @property
     def ready(self) -> bool:
         return self.engine is not None
 
     @property
+    def waiting(self) -> int:
+        """Jobs submitted and not yet started (the metrics' queue gauge)."""
+        return len(self._queue)
+
+    @property
     def running(self) -> int:
-        return int(self._running is not None)
+        return len(self._running) + int(self._lone is not None)
+
+    @property
+    def full(self) -> bool:
+        """True when the next submit() would be refused: queue_limit jobs would still wait
+        once every free slot took one (jobs join the batch only between steps)."""
+        if self.queue_limit is None or self.parallel is None:
+            return False
+        return len(self._queue) + self.running >= self.parallel + self.queue_limit
 
     def submit(self, job: Job) -> Future:
-        with self._count:
-            self.waiting += 1
-        return self._executor.submit(self._run, job)
+        """Queue `job`; its Future gets the engine's Generation (or its error). Raises QueueFull
+        when queue_limit jobs would wait already (`full`)."""
+        future: Future = Future()
+        with self._wake:
+            if self._closed:
+                future.set_exception(Cancelled())
+                return future
+            if self.full:
+                raise QueueFull(f"{len(self._queue)} requests are queued already")
+            self._queue.append((job, future))
+            self._wake.notify()
+        return future
 
-    def _run(self, job: Job) -> Any:
-        with self._count:
-            self.waiting -= 1
+    # ----- the engine thread ---------------------------------------------------------------
+    def _main(self, load: Callable[[], Any]) -> None:
         try:
-            result = self._generate(job)
-        except BaseException:
-            self._observe(job, None)
-            raise
-        self._observe(job, result)
-        return result
+            engine = load()
+        except Exception as err:  # reported by /health and every request, and logged
+            self.load_error = str(err) or type(err).__name__
+            log.error("model failed to load: %s", self.load_error)
+            self._drop_queue()
+            return
+        if engine.speculator is not None:  # its drafter and scheduler serve one request
+            if self.parallel not in (None, 1):
+                log.info("arm %s runs one request at a time: --parallel batches plain "
+                         "decoding (ar) only", engine.speculator.arm)
+            self.parallel = 1
+        elif self.parallel is None:
+            self.parallel = default_parallel(slot_bytes(engine), memory=available_memory())
+        if self.queue_limit is None:
+            self.queue_limit = 8 * self.parallel
+        engine.batch.max_slots = self.parallel
+        self.engine = engine
+        while self._serve_once():
+            pass
+        self._drop_queue()
 
-    def _observe(self, job: Job, result: Any) -> None:
+    def _serve_once(self) -> bool:
+        """Admit what may start, then one step (or one whole speculative request); False once
+        closed and nothing runs."""
+        batch = self.engine.batch
+        with self._wake:
+            while not self._closed and not self._queue and not batch.running:
+                self._wake.wait()
+            closed = self._closed
+        if closed and not batch.running:
+            return False
+        try:
+            if self.engine.speculator is not None:
+                self._run_whole()
+                return True
+            if not closed:
+                self._admit(batch)
+            for seq in batch.step():  # after close(): the cancelled requests end here
+                self._finish(seq)
+        except Exception as err:  # a bug outside any one request: end every admitted one
+            log.exception("engine step failed")
+            for seq, _, _ in list(self._running.values()):
+                if not seq.finished:
+                    seq.fail(err)
+                self._finish(seq)  # a reply that had finished is still delivered
+            batch.running = []
+        return True
+
+    def _next_job(self) -> tuple[Job, Future] | None:
+        """The oldest queued job still wanted, its future marked running (no longer
+        cancellable: the client's side may cancel a waiting one); the cancelled ones are
+        dropped on the way."""
+        while True:
+            with self._wake:
+                if not self._queue:
+                    return None
+                job, future = self._queue.popleft()
+            if future.set_running_or_notify_cancel() and not job.cancel.is_set():
+                return job, future
+            self._settle(job, future, None, Cancelled())
+
+    def _admit(self, batch: Any) -> None:
+        budget = PREFILL_PER_STEP
+        while budget > 0 and not batch.full and (item := self._next_job()) is not None:
+            job, future = item
+            try:
+                seq = self.engine.new_decode(
+                    job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop,
+                    on_text=job.on_text, should_stop=job.cancel.is_set,
+                    request_id=job.request_id, sampling=job.sampling)
+            except Exception as err:  # a request the engine refuses (e.g. too long)
+                self._settle(job, future, None, err)
+                continue
+            self._running[id(seq)] = (seq, job, future)
+            if not batch.add(seq):
+                self._finish(seq)
+            budget -= min(len(seq.prompt) - seq.timing.reused_tokens, batch.prefill_chunk)
+
+    def _finish(self, seq: Any) -> None:
+        _, job, future = self._running.pop(id(seq))
+        if seq.error is not None:
+            self._settle(job, future, None, seq.error)
+        else:
+            self._settle(job, future, self.engine.result(seq))
+
+    def _run_whole(self) -> None:
+        item = self._next_job()
+        if item is None:
+            return
+        job, future = self._lone = item
+        try:
+            result = self.engine.generate(
+                job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop, on_text=job.on_text,
+                should_stop=job.cancel.is_set, request_id=job.request_id, sampling=job.sampling)
+        except Exception as err:
+            self._lone = None
+            self._settle(job, future, None, err)
+            return
+        self._lone = None
+        self._settle(job, future, result)
+
+    def _settle(self, job: Job, future: Future, result: Any,
+                error: BaseException | None = None) -> None:
+        """Observers first (the metrics count a request before its client hears of it)."""
+        if result is not None:
+            self.last_result = result
         for observe in self.observers:
             observe(job, result)
+        if future.cancelled():  # given up while it waited: nobody to tell
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
-    def _generate(self, job: Job) -> Any:
-        if job.cancel.is_set():
-            raise Cancelled()
-        self._running = job
-        try:
-            self.last_result = self.engine.generate(
-                job.prompt_ids,
-                max_tokens=job.max_tokens,
-                stop=job.stop,
-                on_text=job.on_text,
-                should_stop=job.cancel.is_set,
-                request_id=job.request_id,
-                sampling=job.sampling,
-            )
-            return self.last_result
-        finally:
-            self._running = None
+    def _drop_queue(self) -> None:
+        while (item := self._next_job()) is not None:
+            item[1].set_exception(Cancelled())
 
     def close(self) -> None:
-        """Stop the running request at its next token and drop the queued ones."""
-        running = self._running
-        if running is not None:
-            running.cancel.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the running requests at their next step and drop the queued ones."""
+        with self._wake:
+            self._closed = True
+            # copies first: the engine thread may change both meanwhile
+            admitted, lone = list(self._running.values()), self._lone
+            for job in [*(job for _, job, _ in admitted), *([lone[0]] if lone else [])]:
+                job.cancel.set()
+            self._wake.notify()

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -336,6 +337,34 @@ void for_rows(int64_t n, const F& f) {
   }
   at::parallel_for(0, n, kRowsPerThread, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
+// Calls f(i, ahead, first) for every i in [0, n), each on one of torch's threads: ahead is the
+// index the same thread takes next (-1 if none: what to prefetch), first whether i is the
+// thread's first. The threads claim indices a few at a time from a shared counter instead of
+// taking a fixed half each, so a thread slowed by another process on its core takes fewer and
+// the call does not wait for it (a static split runs at the pace of the slowest core). Which
+// thread computes an index changes nothing in its result. begin() / end() run once per thread.
+struct Nothing {
+  void operator()() const {}
+};
+template <class F, class Begin = Nothing, class End = Nothing>
+void for_claimed(int64_t n, const F& f, const Begin& begin = {}, const End& end = {}) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t claim = std::max<int64_t>(1, (n + 8 * threads - 1) / (8 * threads));  // ~8 each
+  std::atomic<int64_t> counter{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    begin();
+    bool first = true;
+    for (int64_t at = counter.fetch_add(claim); at < n;) {
+      const int64_t next = counter.fetch_add(claim);  // claimed ahead, for the prefetch
+      const int64_t stop = std::min(at + claim, n);
+      for (int64_t i = at; i < stop; ++i, first = false)
+        f(i, i + 1 < stop ? i + 1 : (next < n ? next : -1), first);
+      at = next;
+    }
+    end();
   });
 }
 
@@ -677,20 +706,20 @@ void amx_rows_dispatch(int64_t R, const QWeight& w, const QAct& a, int64_t g,
 // last one ending at the last row (rows two tiles share come out the same from both).
 void qmatmul_amx(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
   const int64_t count = (a.rows + 15) / 16, R = (a.rows + count - 1) / count;
-  at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
-    amx_configure(R);  // tile state is per thread
-    thread_local std::vector<uint8_t> raw;  // the group's 4-bit blocks as bytes, 64-aligned
-    raw.resize(w.nb * 512 + 64);
+  thread_local std::vector<uint8_t> raw;  // the group's 4-bit blocks as bytes, 64-aligned
+  auto group = [&](int64_t g, int64_t ahead, bool first) {
+    if (first) prefetch_group(w, g);
+    if (ahead >= 0) prefetch_group(w, ahead);
     uint8_t* bytes = raw.data() + (-reinterpret_cast<uintptr_t>(raw.data()) & 63);
-    for (int64_t g = g0; g < g1; ++g) {
-      prefetch_group(w, g + 1);
-      const uint8_t* tiles = weight_tiles(w, g, bytes);
-      for (int64_t t = 0; t < count; ++t)
-        amx_rows_dispatch(R, w, a, g, tiles, std::min(t * R, a.rows - R), y, ldy,
-                          std::make_integer_sequence<int, 16>{});
-    }
-    _tile_release();
-  });
+    const uint8_t* tiles = weight_tiles(w, g, bytes);
+    for (int64_t t = 0; t < count; ++t)
+      amx_rows_dispatch(R, w, a, g, tiles, std::min(t * R, a.rows - R), y, ldy,
+                        std::make_integer_sequence<int, 16>{});
+  };
+  for_claimed(w.groups, group, [&] {
+    amx_configure(R);  // tile state is per thread
+    raw.resize(w.nb * 512 + 64);
+  }, [] { _tile_release(); });
 }
 #endif
 
@@ -701,17 +730,15 @@ void qmatmul_into(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
 #ifdef ADASPARK_AVX512
   if (a.rows >= kAmxMinRows && amx_on()) return qmatmul_amx(w, a, y, ldy);
 #endif
-  at::parallel_for(0, w.groups, 1, [&](int64_t g0, int64_t g1) {
-    prefetch_group(w, g0);
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t r = 0, ahead = g + 1;  // the first pass over this group asks for the next
-      for (; r + R <= a.rows; r += R, ahead = -1) group_rows<R>(w, a, g, r, y, ldy, ahead);
-      switch (a.rows - r) {
-        case 3: group_rows<3>(w, a, g, r, y, ldy, ahead); break;
-        case 2: group_rows<2>(w, a, g, r, y, ldy, ahead); break;
-        case 1: group_rows<1>(w, a, g, r, y, ldy, ahead); break;
-        default: break;
-      }
+  for_claimed(w.groups, [&](int64_t g, int64_t ahead, bool first) {
+    if (first) prefetch_group(w, g);
+    int64_t r = 0;  // the first pass over this group asks for the thread's next
+    for (; r + R <= a.rows; r += R, ahead = -1) group_rows<R>(w, a, g, r, y, ldy, ahead);
+    switch (a.rows - r) {
+      case 3: group_rows<3>(w, a, g, r, y, ldy, ahead); break;
+      case 2: group_rows<2>(w, a, g, r, y, ldy, ahead); break;
+      case 1: group_rows<1>(w, a, g, r, y, ldy, ahead); break;
+      default: break;
     }
   });
 }

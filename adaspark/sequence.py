@@ -1,0 +1,183 @@
+"""One request as the engine's step loop runs it: `Decode` owns the request's prompt, its KV slot
+(a cached.CachedTokens over its own cache), its sampler, its Reply (stops, streaming), its
+timing and its cancellation.
+
+A request first prefills its prompt, a chunk of PREFILL_CHUNK rows per step (the chunks a
+whole Transformer.prefill runs, so the K/V are the same), the last chunk giving the first reply
+token; then plain decoding is a loop of parts around one target row, and batch.py runs the
+parts of every running request around one shared forward:
+  advance()  the reply takes the pending token; stop, length and cancellation are checked here
+  row()      the one row to verify: the pending token at depth 0 at the end of the slot
+  take()     that row's output: commit the row, pick the next pending token
+A request alone (Engine.generate) and a request beside others (the server) run the same chunks
+and parts, and the forward's rows do not depend on their neighbours, so its tokens are the
+same either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from adaspark.cached import CachedTokens
+from adaspark.model.transformer import PREFILL_CHUNK
+from adaspark.sampling import Sampler
+
+if TYPE_CHECKING:
+    from adaspark.engine import Reply, Timing
+
+StopRequest = Callable[[], bool]  # polled between forwards; True cancels the request
+ONE_ROW = (np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))  # depth 0, sees itself
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefill(target: Any, slot: CachedTokens, prompt: list[int], timing: Timing,
+            sampler: Sampler | None = None, speculator: Any = None) -> int:
+    """Bring `slot` to `prompt`, reusing the prefix it shares; returns the first reply token.
+    speculator: the drafter's cache follows the target's (the engine's own slot only)."""
+    keep = reusable(slot, prompt)
+    start = time.perf_counter()
+    with slot.guard(), target.using(slot.kv):  # a failure leaves the slot clean, not half-full
+        slot.keep(keep)
+        logits = sampler is not None
+        if speculator is None:
+            out = target.prefill(prompt[keep:], return_logits=logits)
+        else:  # the drafter's cache follows the target's: the same kept prefix, then taps
+            out = target.prefill(prompt[keep:], tap_layers=speculator.tap_layers,
+                                 return_logits=logits)
+            speculator.after_prefill(keep, out.hiddens)
+        slot.prefilled(prompt)
+        slot.check()
+    timing.prefill_s = time.perf_counter() - start
+    timing.reused_tokens = keep
+    return first_token(out, sampler, len(prompt))
+
+
+def reusable(slot: CachedTokens, prompt: list[int]) -> int:
+    """How many cached tokens of `slot` the prompt keeps: at least its last token runs again,
+    its logits give the first reply token."""
+    return min(common_prefix(slot.trusted_prefix(), prompt), len(prompt) - 1)
+
+
+def first_token(out: Any, sampler: Sampler | None, prompt_length: int) -> int:
+    """The prefill's pick after its last row, which sits at position prompt_length - 1."""
+    if sampler is None:
+        return int(out.argmax[-1])
+    picks, x = sampler.sample(out.logits[-1:], [prompt_length])
+    first = int(picks[0])
+    sampler.record(x[0], first)
+    return first
+
+
+class Decode:
+    """One request's plain decode, step by step (see the module's docstring)."""
+
+    def __init__(self, prompt: list[int], reply: Reply, timing: Timing,
+                 sampler: Sampler | None = None, should_stop: StopRequest | None = None,
+                 request_id: str | None = None) -> None:
+        self.prompt = prompt
+        self.reply = reply
+        self.timing = timing
+        self.sampler = sampler
+        self.should_stop = should_stop
+        self.request_id = request_id
+        self.slot: CachedTokens | None = None
+        self.token: int | None = None  # picked, not yet taken by the reply
+        self.error: BaseException | None = None  # what ended it, when it failed
+        self._unfilled: list[int] = []  # prompt tokens still to prefill
+        self._start = self._decode_start = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.reply.done
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self._unfilled)
+
+    def start(self, slot: CachedTokens) -> None:
+        """Take `slot` (now this request's), keeping the prefix it shares with the prompt."""
+        self._start = time.perf_counter()
+        self.slot = slot
+        keep = reusable(slot, self.prompt)
+        slot.keep(keep)
+        self._unfilled = self.prompt[keep:]
+        self.timing.reused_tokens = keep
+
+    def prefill_chunk(self, target: Any, size: int = PREFILL_CHUNK) -> int:
+        """Prefill the next `size` prompt tokens; the last chunk picks the first reply token.
+        Returns the rows it ran."""
+        chunk, rest = self._unfilled[:size], self._unfilled[size:]
+        with self.slot.guard(), target.using(self.slot.kv):  # a failure leaves it clean
+            out = target.prefill(chunk, return_logits=self.sampler is not None and not rest)
+            self.slot.commit(chunk)
+        self._unfilled = rest
+        if not rest:
+            self.token = first_token(out, self.sampler, len(self.prompt))
+            self._decode_start = time.perf_counter()
+            self.timing.prefill_s = self._decode_start - self._start
+        return len(chunk)
+
+    def cancelled(self) -> bool:
+        """Polled while prefilling: a request cancelled then ends without a token."""
+        if self.should_stop is None or not self.should_stop():
+            return False
+        self.reply.end("cancelled")
+        return True
+
+    def advance(self, capacity: int) -> bool:
+        """The reply takes the pending token; True when the request wants another row."""
+        if self.reply.push(self.token):
+            return self._stop()
+        if self.sampler is not None:
+            self.sampler.observe(self.token)
+        if len(self.slot) >= capacity:
+            self.reply.end("length")
+            return self._stop()
+        if self.cancelled():
+            return self._stop()
+        return True
+
+    def row(self) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """(tokens, depths, ancestor mask) of this step's row, for Transformer.verify_many."""
+        return [self.token], *ONE_ROW
+
+    def take(self, argmax: int, logits: Any = None) -> None:
+        """The verified row's output: commit it, pick the next token (logits [1, vocab] when
+        sampling). The row sits at len(slot) - 1 after the commit; its pick one position on."""
+        self.slot.kv.commit([0])
+        self.slot.commit([self.token])
+        if self.sampler is None:
+            self.token = int(argmax)
+        else:
+            picks, x = self.sampler.sample(logits, [len(self.slot)])
+            self.token = int(picks[0])
+            self.sampler.record(x[0], self.token)
+        self.timing.decode_tokens += 1
+        self.timing.plain_rounds += 1
+        self.timing.verified_rows += 1
+
+    def fail(self, err: BaseException) -> None:
+        """End with an error; the slot may hold part of a step, so it forgets everything."""
+        self.error = err
+        if self.slot is not None:
+            self.slot.reset()
+        self._stop()
+
+    def _stop(self) -> bool:
+        if self._decode_start:
+            self.timing.decode_s = time.perf_counter() - self._decode_start
+        return False

@@ -1,0 +1,302 @@
+"""Many users at once: N concurrent streaming clients over HTTP against `adaspark serve`.
+
+For each arm one server runs (`adaspark serve --arm ARM --parallel P --fresh`, P the largest N
+unless --parallel says otherwise); for each N in --clients, N client threads share one queue
+of requests, the first turns of the evaluation's conversations (system prompt and tools
+included, greedy, capped at --cap tokens), each client taking the next request when its last
+one has finished. Per N: aggregate tok/s (every completion token over the wall time from the
+first request to the last reply), per-request decode tok/s (client clock: tokens over first to
+last streamed delta; median), time to first token (median, p95), and whether every reply equals
+the N = 1 reply to the same request (a reply may differ where the server reused another cached
+prefix for it: see docs/batching.md). Plain decoding (`ar`) batches its requests' rows into one
+forward; the speculative arms run one request at a time (docs/batching.md).
+
+    .venv/bin/python benchmarks/concurrency.py --arms ar,adaspark+gate --clients 1,2,4,8
+    .venv/bin/python benchmarks/concurrency.py --arms ar --clients 1,4 --requests 8 --cap 64 \\
+        --json out.json     # a smoke run
+    .venv/bin/python benchmarks/concurrency.py --arms ar --clients 8 --mixed 200
+
+--mixed M then sends M mixed requests over the largest N clients (streamed and not, some
+cancelled after three deltas, some malformed) and reports 5xx answers (there should be none),
+completed replies equal to the same request sent alone, and the server's peak RSS.
+
+Not measured here (left for later): llama.cpp's `llama-server --parallel N` side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from adaspark.bench.client import ChatClient, StreamedReply
+from adaspark.bench.conversations import Conversation, load_conversations
+from adaspark.bench.runner import machine_description
+from adaspark.bench.servers import LocalServer
+
+CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default="ar,adaspark+gate",
+                   help="comma-separated arms, modifiers with '+' (adaspark+gate)")
+    p.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrent clients")
+    p.add_argument("--requests", type=int, default=16,
+                   help="requests per N (first turns, in file order; at least N)")
+    p.add_argument("--cap", type=int, default=128, help="reply cap (max_tokens)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="the server's --parallel (default: the largest N)")
+    p.add_argument("--threads", type=int, default=2, help="the server's OMP_NUM_THREADS")
+    p.add_argument("--data", type=Path, default=CONVERSATIONS, help="conversations JSONL")
+    p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    p.add_argument("--mixed", type=int, default=0, metavar="M",
+                   help="then M mixed requests (streamed, not, cancelled, malformed)")
+    return p.parse_args(argv)
+
+
+def first_turn(conv: Conversation) -> tuple[list[dict], list[dict] | None]:
+    messages = [{"role": "system", "content": conv.system}] if conv.system else []
+    return [*messages, {"role": "user", "content": conv.turns[0]}], conv.openai_tools()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile by linear interpolation (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def run_clients(url: str, requests: list[tuple[list[dict], list[dict] | None]], n: int,
+                cap: int) -> tuple[list[StreamedReply | None], float]:
+    """The requests over n concurrent clients; their replies (None: failed) and wall seconds."""
+    todo: queue.Queue = queue.Queue()
+    for i, request in enumerate(requests):
+        todo.put((i, request))
+    replies: list[StreamedReply | None] = [None] * len(requests)
+
+    def client() -> None:
+        with ChatClient(url) as chat:
+            while True:
+                try:
+                    i, (messages, tools) = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    replies[i] = chat.stream_chat(messages, max_tokens=cap, tools=tools)
+                except Exception as err:  # counted as a failure, the others go on
+                    print(f"  request {i} failed: {err}", file=sys.stderr)
+
+    threads = [threading.Thread(target=client) for _ in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return replies, time.perf_counter() - start
+
+
+def summarise(n: int, replies: list[StreamedReply | None], wall_s: float,
+              solo: list[StreamedReply | None] | None) -> dict:
+    done = [r for r in replies if r is not None]
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    speeds = [r.tok_s for r in done if r.tok_s is not None]
+    tokens = sum(r.completion_tokens for r in done)
+    same = None
+    if solo is not None:
+        same = sum(1 for a, b in zip(replies, solo, strict=True)
+                   if a is not None and b is not None and a.text == b.text)
+    return {"clients": n, "requests": len(replies), "failed": len(replies) - len(done),
+            "tokens": tokens, "wall_s": wall_s, "aggregate_tok_s": tokens / wall_s,
+            "decode_tok_s_median": statistics.median(speeds) if speeds else None,
+            "ttft_median_s": statistics.median(ttft) if ttft else None,
+            "ttft_p95_s": percentile(ttft, 0.95), "same_as_solo": same}
+
+
+def bench_arm(arm: str, clients: list[int], requests, args, out_dir: Path) -> list[dict]:
+    parallel = args.parallel or max(clients)
+    server = LocalServer(arm, out_dir / f"{arm.replace(',', '+')}.log", out_dir / "store",
+                         fresh=True, round_log=None, extra_args=["--parallel", str(parallel)])
+    rows, solo = [], None
+    with server:
+        print(f"{arm}: the server's forward is {server.forward}, --parallel {parallel}", flush=True)
+        # warm every slot up (a slot's first prefills run slower than its later ones)
+        run_clients(server.url, requests[:parallel], parallel, min(args.cap, 16))
+        for n in clients:
+            replies, wall = run_clients(server.url, requests[:max(n, args.requests)], n,
+                                        args.cap)
+            if n == 1:
+                solo = replies
+            base = solo[:len(replies)] if solo is not None and len(solo) >= len(replies) else None
+            row = {"arm": arm, "parallel": parallel, "forward": server.forward,
+                   **summarise(n, replies, wall, base)}
+            rows.append(row)
+            print(table_row(row), flush=True)
+        if args.mixed:
+            rows.append(mixed_check(server, arm, requests, args.mixed, max(clients), args.cap))
+    return rows
+
+
+MIXED = ("stream", "plain", "stream", "cancel", "malformed", "plain")  # request i: MIXED[i % 6]
+MALFORMED = (b"{not json", b'{"messages": []}',
+             b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}')
+
+
+def mixed_request(http: httpx.Client, kind: str, request, cap: int, i: int) -> dict:
+    """One request of the mixed run: its kind, HTTP status, reply text (None: none), and
+    whether the server failed it (a 5xx, or a server error inside the stream)."""
+    messages, tools = request
+    body = {"model": "m", "messages": messages, "max_tokens": cap, "temperature": 0,
+            **({"tools": tools} if tools else {})}
+    url = "/v1/chat/completions"
+    if kind == "malformed":
+        r = http.post(url, content=MALFORMED[i % len(MALFORMED)],
+                      headers={"content-type": "application/json"})
+        return {"kind": kind, "status": r.status_code, "text": None,
+                "server_error": r.status_code >= 500}
+    if kind == "plain":
+        r = http.post(url, json=body)
+        ok = r.status_code == 200
+        return {"kind": kind, "status": r.status_code, "server_error": r.status_code >= 500,
+                "text": json.dumps(r.json()["choices"][0]["message"]) if ok else None}
+    text, deltas, failed = "", 0, False
+    with http.stream("POST", url, json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            failed |= chunk.get("error", {}).get("type") == "server_error"
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                piece = (delta.get("content") or "") + json.dumps(delta.get("tool_calls") or "")
+                text += piece
+                deltas += bool(piece)
+            if kind == "cancel" and deltas >= 3:
+                break  # leaving the stream closes the connection: the server cancels it
+    return {"kind": kind, "status": r.status_code, "server_error": failed or r.status_code >= 500,
+            "text": text if kind == "stream" else None}
+
+
+def run_mixed(url: str, jobs: list[tuple[int, str, object]], n: int, cap: int) -> list[dict]:
+    """jobs (index, kind, request) over n clients; one result dict per job, by position."""
+    todo: queue.Queue = queue.Queue()
+    for position, job in enumerate(jobs):
+        todo.put((position, job))
+    results: list[dict] = [{}] * len(jobs)
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=3600) as http:
+            while True:
+                try:
+                    position, (i, kind, request) = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[position] = mixed_request(http, kind, request, cap, i)
+                except Exception as err:  # the connection broke: counted, the others go on
+                    results[position] = {"kind": kind, "status": None, "text": None,
+                                         "server_error": True, "error": repr(err)}
+
+    threads = [threading.Thread(target=client) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def peak_rss_mb(pid: int | None) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def mixed_check(server: LocalServer, arm: str, requests, m: int, n: int, cap: int) -> dict:
+    """M mixed requests over n clients against the same requests' completed kinds alone."""
+    jobs = [(i, MIXED[i % len(MIXED)], requests[i % len(requests)]) for i in range(m)]
+    completed = [job for job in jobs if job[1] in ("stream", "plain")]
+    solo = dict(zip([job[0] for job in completed], run_mixed(server.url, completed, 1, cap),
+                    strict=True))
+    start = time.perf_counter()
+    results = run_mixed(server.url, jobs, n, cap)
+    wall = time.perf_counter() - start
+    kinds = {kind: sum(r["kind"] == kind for r in results) for kind in set(MIXED)}
+    same = sum(1 for (i, _, _), r in zip(jobs, results, strict=True)
+               if i in solo and r["text"] is not None and r["text"] == solo[i]["text"])
+    row = {"arm": arm, "mixed": m, "clients": n, "wall_s": wall, "kinds": kinds,
+           "server_errors": sum(r["server_error"] for r in results),
+           "malformed_4xx": sum(1 for r in results if r["kind"] == "malformed"
+                                and r["status"] is not None and 400 <= r["status"] < 500),
+           "completed_same_as_solo": same, "completed": len(completed),
+           "peak_rss_mb": peak_rss_mb(getattr(server._process, "pid", None))}
+    print(f"{arm}: {m} mixed requests over {n} clients in {wall:.1f} s: "
+          f"{row['server_errors']} server errors, malformed answered 4xx "
+          f"{row['malformed_4xx']}/{kinds['malformed']}, completed replies equal alone "
+          f"{same}/{len(completed)}, server peak RSS {fmt(row['peak_rss_mb'], '.0f')} MB",
+          flush=True)
+    return row
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_row(r: dict) -> str:
+    same = "-" if r["same_as_solo"] is None else f"{r['same_as_solo']}/{r['requests']}"
+    return (f"{r['arm']:<16} {r['clients']:>3} {r['requests']:>4} {r['failed']:>3} "
+            f"{r['aggregate_tok_s']:>9.1f} {fmt(r['decode_tok_s_median'], '>9.1f')} "
+            f"{fmt(r['ttft_median_s'], '>8.3f')} {fmt(r['ttft_p95_s'], '>8.3f')} {same:>7}")
+
+
+HEADER = (f"{'arm':<16} {'N':>3} {'reqs':>4} {'err':>3} {'agg tok/s':>9} {'req tok/s':>9} "
+          f"{'ttft med':>8} {'ttft p95':>8} {'=solo':>7}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    clients = sorted({int(c) for c in args.clients.split(",")})
+    arms = [a.replace("+", ",") for a in args.arms.split(",") if a]
+    conversations = load_conversations(args.data)
+    requests = [first_turn(c) for c in conversations]
+    if len(requests) < max(max(clients), args.requests):
+        requests = (requests * (max(max(clients), args.requests) // len(requests) + 1))
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it
+    machine = machine_description()
+    print(f"CPU: {machine.get('cpu')}; server threads {args.threads}; cap {args.cap}; "
+          f"{args.requests} requests per N (first turns of {args.data.name})")
+    print(HEADER)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:
+        for arm in arms:
+            rows += bench_arm(arm, clients, requests, args, Path(tmp))
+    for arm in arms:
+        mine = {r["clients"]: r["aggregate_tok_s"] for r in rows
+                if r["arm"] == arm and "aggregate_tok_s" in r}
+        if 1 in mine:
+            ratios = ", ".join(f"N={n}: {mine[n] / mine[1]:.2f}x" for n in sorted(mine) if n != 1)
+            print(f"{arm}: aggregate over N=1: {ratios}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": machine, "settings": vars(args) | {
+            "data": str(args.data), "json": str(args.json)}, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The server batching concurrent requests, over real HTTP on the real model (`ar`, parallel 3,
+a queue of 1): concurrent replies equal solo ones and did run side by side, a client that leaves
+frees its slot at the next step, and past the queue a request gets 429 with Retry-After."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from test_server import _error, _serving, _wait
+
+from adaspark.server import create_app
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "Count to five."]
+LONG = "Tell me a very long story about a dragon, a knight and a city by the sea."
+
+
+@pytest.fixture(scope="module")
+def served():
+    from adaspark.engine import Engine
+    from adaspark.model.sources import default_model_path
+
+    model_path = default_model_path(download=False)
+    app = create_app(lambda: Engine.load(model_path, arm="ar"), model_id=model_path.stem,
+                     parallel=3, queue_limit=1)
+    with _serving(app) as base:
+        _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
+        yield {"base": base, "worker": app.state.worker}
+
+
+def body(prompt: str, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], **kw}
+
+
+def ask(base: str, payload: dict) -> str:
+    """The reply's text, streamed or not."""
+    url = base + "/v1/chat/completions"
+    if not payload.get("stream"):
+        response = httpx.post(url, json=payload, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", url, json=payload, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+    return text
+
+
+def test_concurrent_replies_equal_solo_ones(served):
+    base, worker = served["base"], served["worker"]
+    payloads = [body(PROMPTS[0], max_tokens=32),
+                body(PROMPTS[1], max_tokens=32, stream=True),
+                body(PROMPTS[2], max_tokens=32, temperature=0.9, seed=3)]
+    solo = [ask(base, p) for p in payloads]
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], worker.running)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(payloads)) as pool:
+            together = list(pool.map(lambda p: ask(base, p), payloads))
+    finally:
+        stop.set()
+        watcher.join()
+    assert together == solo
+    assert peak[0] >= 2  # they shared the batch, not took turns
+
+
+def test_a_client_that_leaves_frees_its_slot(served):
+    base, worker = served["base"], served["worker"]
+    previous = worker.last_result
+    with httpx.stream("POST", base + "/v1/chat/completions",
+                      json=body(LONG, max_tokens=2000, stream=True), timeout=300) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    _wait(lambda: worker.last_result is not previous and worker.running == 0,
+          "the cancelled request to leave", timeout=60)
+    assert worker.last_result.finish_reason == "cancelled"
+    assert len(worker.last_result.token_ids) < 2000
+
+
+def test_past_the_queue_a_request_gets_429_with_retry_after(served):
+    base, worker = served["base"], served["worker"]
+    url = base + "/v1/chat/completions"
+    with ThreadPoolExecutor(1) as pool:
+        with held_streams(url, 3):  # three long streams hold every slot
+            _wait(lambda: worker.running == 3, "three running requests", timeout=60)
+            queued = pool.submit(httpx.post, url, json=body(PROMPTS[0], max_tokens=4),
+                                 timeout=300)
+            _wait(lambda: worker.waiting == 1, "a queued request", timeout=60)
+            assert "adaspark_requests_waiting 1.0" in httpx.get(base + "/metrics").text
+            refused = httpx.post(url, json=body(PROMPTS[0], max_tokens=4))
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"].isdigit()
+            assert _error(refused)["code"] == "rate_limit_exceeded"
+        # the three streams left: the queued request runs
+        assert queued.result().status_code == 200
+    assert worker.waiting == 0
+
+
+@contextlib.contextmanager
+def held_streams(url: str, n: int):
+    """n streaming requests held open after their first chunk; closed (cancelled) on exit."""
+    lines = []  # kept: a line iterator let go closes its connection (the client leaves)
+    with httpx.Client(timeout=300) as client, contextlib.ExitStack() as stack:
+        for i in range(n):
+            response = stack.enter_context(client.stream(
+                "POST", url, json=body(LONG, max_tokens=2000, stream=True, seed=i,
+                                       temperature=1.0)))
+            lines.append(response.iter_lines())
+            next(lines[-1])
+        yield

@@ -58,7 +58,8 @@ def add_model_options(parser: argparse.ArgumentParser, model_default: str | None
     parser.add_argument("--arm", metavar="ARM", type=arm_type,
                         help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark, "
                              "adaspark:N, with modifiers after ',' or '+' (plain: width-1 plain "
-                             "rounds, gate: the draft gate, classes: kernel-class widths; "
+                             "rounds, gate: the draft gate and a paced cold start, ladder: "
+                             "the gate without the pacing, classes: kernel-class widths; "
                              "default: adaspark,gate when a drafter exists for the model, else ar)")
     parser.add_argument("--drafter", metavar="DIR",
                         help="drafter checkpoint (default: the shipped one for the model)")

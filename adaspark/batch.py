@@ -1,12 +1,15 @@
-"""Continuous batching of plain decoding: the running requests advance together, one target row
-each per step, all rows in one forward (Transformer.verify_many: one native call).
+"""Continuous batching: the running requests advance together, all their rows in one forward per
+step (Transformer.verify_many: one native call): one row each for plain decoding, a round's tree
+each for a speculative arm (speculative.RoundDecode: it plans in row(), drafting on its slot's
+own drafter when the round drafts, and accepts, commits and learns in take(); the verify taps
+the drafters' layers).
 
 A step is schedule -> run -> postprocess:
   schedule     every running Decode takes its pending token (stops, length, cancellation);
                those that finished leave and free their slot
   run          each request still prefilling runs its next prompt chunk; one verify of every
-               decoding request's row, each over its own KV slot
-  postprocess  each request commits its row and picks its next token
+               decoding request's rows, each over its own KV slot
+  postprocess  each request takes its rows' output: commits and picks its next token
 Requests join between steps (`add`: a free slot and the first prompt chunk) and leave at any
 step; a long prompt is prefilled a chunk per step, so the others keep streaming. A slot
 keeps the ids it holds after its request leaves, so the next request that shares a prefix with
@@ -19,14 +22,25 @@ request whose row fails is failed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from adaspark import threads
 from adaspark.cached import CachedTokens
 from adaspark.model.transformer import PREFILL_CHUNK
 from adaspark.sequence import Decode, common_prefix
+
+
+@dataclass(frozen=True)
+class Step:
+    """One shared verify call: its time, the rows it verified and the requests they were."""
+
+    verify_s: float
+    rows: int
+    sequences: int
 
 
 class BatchTarget(Protocol):
@@ -38,12 +52,15 @@ class BatchTarget(Protocol):
     def using(self, cache: Any) -> AbstractContextManager[None]:
         """prefill / verify / commit on `cache` meanwhile."""
 
-    def prefill(self, tokens: Sequence[int], *, return_logits: bool = False) -> Any:
-        """Append committed tokens to the cache; the last row's argmax (and logits)."""
+    def prefill(self, tokens: Sequence[int], tap_layers: Sequence[int] = (), *,
+                return_logits: bool = False) -> Any:
+        """Append committed tokens to the cache; the last row's argmax (and logits), every
+        row's residuals after the tap layers (a drafter's features)."""
 
     def verify_many(self, caches: Sequence[Any], rows: Sequence[tuple], *,
-                    return_logits: bool = False) -> Any:
-        """Each sequence's rows at the end of its cache, in one forward where possible."""
+                    tap_layers: Sequence[int] = (), return_logits: bool = False) -> Any:
+        """Each sequence's rows at the end of its cache, in one forward where possible
+        (hiddens: each tap layer's rows, in the same order)."""
 
 
 class Batch:
@@ -56,7 +73,19 @@ class Batch:
         self.max_slots = max_slots
         self.prefill_chunk = prefill_chunk  # prompt rows per request per step
         self.slots: list[CachedTokens] = [first_slot]
+        # a drafting arm's: each new slot's own drafter (Drafter.fork) and the target layers
+        # every verify taps for the drafters' features
+        self.new_drafter: Callable[[], Any] | None = None
+        self.tap_layers: tuple[int, ...] = ()
         self.running: list[Decode] = []
+        # the speculator's share of one call: before it, (requests, their rows) -> the rows to
+        # verify (the shared row budget cuts trees); after it and every take, (requests, Step)
+        # (the call's time teaches the price of its total rows)
+        # and before the requests plan, the step's requests (the speculator prices the step, so
+        # each decides whether its round drafts against that price)
+        self.before_plan: Callable[[list[Decode]], None] | None = None
+        self.before_verify: Callable[[list[Decode], list[tuple]], list[tuple]] | None = None
+        self.after_verify: Callable[[list[Decode], Step], None] | None = None
 
     @property
     def full(self) -> bool:
@@ -92,7 +121,8 @@ class Batch:
         if best is not None and (common_prefix(best.ids, prompt) > 0 or not best.ids):
             return best
         if len(self.slots) < self.max_slots:
-            self.slots.append(CachedTokens(self.target, kv=self.target.new_cache()))
+            drafter = None if self.new_drafter is None else self.new_drafter()
+            self.slots.append(CachedTokens(self.target, drafter, kv=self.target.new_cache()))
             return self.slots[-1]
         return best
 
@@ -115,28 +145,53 @@ class Batch:
                 seq.fail(err)
                 done.append(seq)
         if live:
-            done += self._run(live)
+            failed = self._run(live)
+            # ...and those whose round ended the reply (a speculative take() pushes tokens)
+            done += failed + [seq for seq in live if seq.finished and seq not in failed]
         self.running = [seq for seq in self.running if not seq.finished]
         return done
 
     def _run(self, live: list[Decode]) -> list[Decode]:
-        """One verify of every live request's row, then each takes its own; returns the
-        requests that failed."""
+        """Each live request's rows (a speculative one plans its round here), one verify of
+        them all, then each takes its own; returns the requests that failed."""
+        planned, rows, failed = [], [], []
+        if self.before_plan is not None:
+            self.before_plan(live)
+        for seq in live:
+            try:
+                rows.append(seq.row())
+                planned.append(seq)
+            except Exception as err:  # its own plan failed
+                seq.fail(err)
+                failed.append(seq)
+        if planned and self.before_verify is not None:
+            rows = self.before_verify(planned, rows)
+        return failed + (self._verify(planned, rows) if planned else [])
+
+    def _verify(self, live: list[Decode], rows: list[tuple]) -> list[Decode]:
         logits = any(seq.sampler is not None for seq in live)
+        start = time.perf_counter()
         try:
-            out = self.target.verify_many([seq.slot.kv for seq in live],
-                                          [seq.row() for seq in live], return_logits=logits)
+            out = self.target.verify_many([seq.slot.kv for seq in live], rows,
+                                          tap_layers=self.tap_layers, return_logits=logits)
         except Exception as err:
             if len(live) == 1:
                 live[0].fail(err)
                 return live
-            return [seq for one in live for seq in self._run([one])]  # find who fails
-        failed = []
-        for i, seq in enumerate(live):
+            return [seq for one, row in zip(live, rows, strict=True)  # find who fails
+                    for seq in self._verify([one], [row])]
+        step = Step(time.perf_counter() - start, sum(len(r[0]) for r in rows), len(live))
+        failed, at = [], 0
+        for seq, row in zip(live, rows, strict=True):
+            n, at = len(row[0]), at + len(row[0])
+            hiddens = {layer: h[at - n:at] for layer, h in out.hiddens.items()}
             try:
-                seq.take(int(out.argmax[i]), None if out.logits is None else out.logits[i:i + 1])
+                seq.take(out.argmax[at - n:at], None if out.logits is None
+                         else out.logits[at - n:at], step, hiddens=hiddens)
             except Exception as err:
                 seq.fail(err)
                 failed.append(seq)
+        if self.after_verify is not None:
+            self.after_verify(live, step)
         return failed
 

@@ -47,14 +47,18 @@ class CachedTokens:
             raise
 
     def trusted_prefix(self) -> list[int]:
-        """The ids, unless someone else moved the target's cache: then none is trusted."""
-        if self.kv.length != len(self.ids):
+        """The ids, unless someone else moved the target's (or drafter's) cache: then none is
+        trusted."""
+        moved = self.drafter is not None and self.drafter.length != len(self.ids)
+        if moved or self.kv.length != len(self.ids):
             self.ids = []
         return self.ids
 
     def keep(self, n: int) -> None:
-        """Truncate the target to its first n tokens (the drafter follows after the prefill)."""
+        """Truncate the target (and the drafter) to their first n tokens."""
         self.kv.truncate(n)
+        if self.drafter is not None:
+            self.drafter.truncate(min(n, self.drafter.length))
         self.ids = self.ids[:n]
 
     def prefilled(self, prompt: Iterable[int]) -> None:

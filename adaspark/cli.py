@@ -15,7 +15,7 @@ from adaspark.errors import UserError
 
 # name -> (module under adaspark.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "fetch-model": ("fetch_model", "download the embedded default model into the user cache"),
+    "fetch-model": ("fetch_model", "download the default model (or gemma3-270m) to the user cache"),
     "generate": ("generate", "one greedy reply to a prompt"),
     "chat": ("chat", "interactive multi-turn chat"),
     "sim": ("sim", "simulate the scheduler on a cost curve, no model"),

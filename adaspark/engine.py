@@ -7,10 +7,11 @@ prefix it shares with the previous request, prefills the rest, then decodes. Pla
 the 1-row case of the target's verify path (row at depth 0, then commit it), run step by step
 by sequence.py's `Decode` in batch.py's `Batch` (alone here, beside other requests in the
 server); the speculative arms of the paper's Algorithm 1 run as speculative.py's rounds over
-the same `Reply`, which applies every stop (stop token, stop string, max tokens) token by token,
-so a round that accepts several tokens at once stops at exactly the same place. Sampling
-(sampling.py) replaces each row's argmax by its position-keyed Gumbel-max pick; greedy requests
-never build a Sampler.
+the same `Reply` (alone through Speculator.decode; as RoundDecodes in the server's batch,
+each slot with its own drafter), which applies every stop (stop token, stop string, max
+tokens) token by token, so a round that accepts several tokens at once stops at exactly the
+same place. Sampling (sampling.py) replaces each row's argmax by its position-keyed Gumbel-max
+pick; greedy requests never build a Sampler.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler, SamplingParams
 from adaspark.scheduler.record import RoundRecord
 from adaspark.sequence import Decode, StopRequest, common_prefix, prefill
-from adaspark.speculative import Speculator, load_speculator
+from adaspark.speculative import RoundDecode, Speculator, load_speculator
 
 TextCallback = Callable[[str], None]
 __all__ = ["Decode", "Engine", "Generation", "Reply", "StopRequest", "Timing", "common_prefix"]
@@ -187,6 +188,14 @@ class Engine:
         # plain decoding's running requests, the engine's own cache their first slot; the
         # server lets several run at once (max_slots), a request alone runs by itself
         self.batch = Batch(target, self.cache, self.context_length)
+        if speculator is not None:  # the shared row budget; the shared call's time
+            self.batch.before_plan = speculator.price_step
+            self.batch.before_verify = speculator.share_rows
+            self.batch.after_verify = speculator.learn_shared_verify
+        if speculator is not None and speculator.drafter is not None:
+            # every further slot drafts on its own drafter; every verify taps their layers
+            self.batch.new_drafter = speculator.drafter.fork
+            self.batch.tap_layers = speculator.tap_layers
 
     @classmethod
     def load(cls, model: str | Path | None = None, options: ModelOptions | None = None, *,
@@ -288,8 +297,11 @@ class Engine:
         sampler = None
         if sampling is not None and not sampling.check().greedy:
             sampler = Sampler(sampling, self.target.config.vocab_size)
-        return Decode(prompt, Reply(self.tokenizer, max_tokens, stop, on_text),
-                      Timing(prompt_tokens=len(prompt)), sampler, should_stop, request_id)
+        parts = (prompt, Reply(self.tokenizer, max_tokens, stop, on_text),
+                 Timing(prompt_tokens=len(prompt)), sampler, should_stop, request_id)
+        if self.speculator is not None:  # its rounds as batch steps, should a batch run it
+            return RoundDecode(self.speculator, *parts)
+        return Decode(*parts)
 
     @staticmethod
     def result(seq: Decode) -> Generation:

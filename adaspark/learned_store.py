@@ -1,16 +1,19 @@
 """Which learned store an engine uses: its fingerprint and its directory.
 
 Learned verify prices and acceptance rates are true of one model file, one drafter, one device
-and one kernel build, and of one arm: so the fingerprint names all five; scheduler/store.py
-keeps one file per fingerprint and refuses a file written under another. The default directory
-is platformdirs.user_cache_dir("adaspark")/stores; `--store PATH` names another directory.
+and one kernel build, and of one arm: so the fingerprint names all five (the drafter as null
+for `ngram`, which runs none: its store is one whether a drafter exists for the model or not);
+scheduler/store.py keeps one file per fingerprint and refuses a file written under another.
+The default directory is platformdirs.user_cache_dir("adaspark")/stores; `--store PATH` names
+another directory.
 
 The arm is keyed by its whole set of switches (`arm_family`), because no two arms learn the same
 thing: `classes` fixes the width table to the kernel's classes where the others refine a ladder;
 a pinned width or a chain teaches the chooser and the cost model one width; `cost`, `head` and
 `no-ngram` teach the acceptance model from other trees; and even `gate` and `plain`, which only
 decide whether a round drafts, feed their undrafted rounds into the band rate that Eq. 7 prices
-every width with. Only the spelling is free: modifier order, `+` or `,`, repeats.
+every width with; `ngram` plans every tree from the n-gram index alone. Only the spelling is
+free: modifier order, `+` or `,`, repeats.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def arm_family(arm: Arm | str) -> str:
     return ",".join([base, *sorted(set(mods))])
 
 
-def fingerprint(model_sha256: str, drafter_hash: str, target: Any, arm: Arm | str) -> dict:
-    """model_sha256 / drafter_hash: the model file's and the drafter checkpoint's hashes;
+def fingerprint(model_sha256: str, drafter_hash: str | None, target: Any, arm: Arm | str
+                ) -> dict:
+    """model_sha256 / drafter_hash: the model file's and the drafter checkpoint's hashes (None:
+    the arm runs no drafter);
     target: the loaded Transformer (its device, precision and kernel table); arm: the
     scheduler's."""
     kernels = getattr(target, "kernels", None)

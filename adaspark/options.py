@@ -28,7 +28,8 @@ class ModelOptions:
     model: str | Path | None = None  # a GGUF path (None: the embedded default)
     precision: str = "fast"  # fast: packed kernels; reference: float32 (validation)
     device: str = "cpu"
-    arm: Arm | None = None  # None: speculative.DEFAULT_ARM when a drafter exists, else ar
+    arm: Arm | None = None  # None: speculative.DEFAULT_ARM when a drafter exists, else
+    # speculative.NO_DRAFTER_ARM (ngram)
     drafter: str | Path | None = None  # a checkpoint directory (None: the shipped one)
     store: str | Path | None = None  # the learned store's directory (None: the user cache)
     fresh: bool = False  # start from an empty learned store (it is still saved)
@@ -57,12 +58,15 @@ def add_model_options(parser: argparse.ArgumentParser, model_default: str | None
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--arm", metavar="ARM", type=arm_type,
                         help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark, "
-                             "adaspark:N, with modifiers after ',' or '+' (plain: width-1 plain "
+                             "adaspark:N, ngram (n-gram trees from the request's own text, "
+                             "no drafter), with modifiers after ',' or '+' (plain: width-1 plain "
                              "rounds, gate: the draft gate and a paced cold start, ladder: "
                              "the gate without the pacing, classes: kernel-class widths; "
-                             "default: adaspark,gate when a drafter exists for the model, else ar)")
+                             "default: adaspark,gate when a drafter exists for the model, "
+                             "else ngram)")
     parser.add_argument("--drafter", metavar="DIR",
-                        help="drafter checkpoint (default: the shipped one for the model)")
+                        help="drafter checkpoint, refused unless trained for this model "
+                             "file (default: the shipped one for the model)")
     parser.add_argument("--store", metavar="DIR",
                         help="learned store directory (default: the user cache)")
     parser.add_argument("--fresh", action="store_true",

@@ -121,8 +121,12 @@ class Decode:
         """Prefill the next `size` prompt tokens; the last chunk picks the first reply token.
         Returns the rows it ran."""
         chunk, rest = self._unfilled[:size], self._unfilled[size:]
+        drafter = self.slot.drafter  # a drafting arm's: its features follow the target's
         with self.slot.guard(), target.using(self.slot.kv):  # a failure leaves it clean
-            out = target.prefill(chunk, return_logits=self.sampler is not None and not rest)
+            out = target.prefill(chunk, tap_layers=() if drafter is None else drafter.tap_layers,
+                                 return_logits=self.sampler is not None and not rest)
+            if drafter is not None:
+                drafter.observe(out.hiddens)
             self.slot.commit(chunk)
         self._unfilled = rest
         if not rest:
@@ -155,13 +159,16 @@ class Decode:
         """(tokens, depths, ancestor mask) of this step's row, for Transformer.verify_many."""
         return [self.token], *ONE_ROW
 
-    def take(self, argmax: int, logits: Any = None) -> None:
-        """The verified row's output: commit it, pick the next token (logits [1, vocab] when
-        sampling). The row sits at len(slot) - 1 after the commit; its pick one position on."""
+    def take(self, argmax: Any, logits: Any = None, step: Any = None,
+             hiddens: Any = None) -> None:
+        """The verified row's output: commit it, pick the next token (argmax [1]; logits
+        [1, vocab] when sampling; step: the shared call, batch.Step, which plain decoding does
+        not learn from; hiddens: the tapped layers' rows, which only a drafter reads). The
+        row sits at len(slot) - 1 after the commit; its pick one position on."""
         self.slot.kv.commit([0])
         self.slot.commit([self.token])
         if self.sampler is None:
-            self.token = int(argmax)
+            self.token = int(argmax[0])
         else:
             picks, x = self.sampler.sample(logits, [len(self.slot)])
             self.token = int(picks[0])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,10 +41,14 @@ from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler
+from adaspark.scheduler.budget import StepPrice, allocate
+from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.driver import Committed, Target, run_round
-from adaspark.scheduler.round import Arm, Outcome, Plan, Scheduler
+from adaspark.scheduler.record import RoundRecord, RoundTimes
+from adaspark.scheduler.round import Arm, Outcome, Plan, RequestState, Scheduler
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import Block
+from adaspark.sequence import Decode
 
 if TYPE_CHECKING:
     from adaspark.engine import Timing
@@ -86,6 +91,25 @@ def sample_path(sampler: Sampler, logits: Any, plan: Plan, start: int):
     return picks, adjusted
 
 
+def take_path(reply: Any, sampler: Sampler | None, adjusted: dict[int, Any], outcome: Outcome
+              ) -> tuple[list[int], list[int], bool]:
+    """The reply takes the accepted tokens, then the bonus, one by one; the one that ends it is
+    not committed (plain decoding never commits its last token either). Returns the rows to
+    commit, the tokens the reply took and whether it ended."""
+    emitted: list[int] = []
+    keep, done = len(outcome.rows), False
+    for i, token in enumerate([*outcome.tokens, outcome.bonus]):
+        emitted.append(token)
+        if sampler is not None:  # token i was picked on row outcome.rows[i]
+            sampler.record(adjusted[outcome.rows[i]], token)
+        if reply.push(token):
+            keep, done = i + 1, True
+            break
+        if sampler is not None:
+            sampler.observe(token)
+    return outcome.rows[:keep], emitted, done
+
+
 class _EngineTarget(Target):
     """The driver's Target on the engine: drafter, target verify, reply and cache commits."""
 
@@ -97,8 +121,11 @@ class _EngineTarget(Target):
         self._adjusted: dict[int, Any] = {}
 
     def draft(self) -> Block:
+        if self.spec.drafter is None:  # the scheduler asks only on arms that need one
+            raise RuntimeError(f"arm {self.spec.arm} drafted without a drafter")
         start = self.spec.target.cache.length  # the anchor's position
-        return self.spec.drafter.draft(self.anchor, noise=self.spec._draft_noise(start))
+        return self.spec.drafter.draft(
+            self.anchor, noise=self.spec.draft_noise(self.spec.drafter, self.sampler, start))
 
     def verify(self, plan: Plan) -> np.ndarray:
         spec, sampler = self.spec, self.sampler
@@ -112,38 +139,141 @@ class _EngineTarget(Target):
         return argmax
 
     def commit(self, outcome: Outcome) -> Committed:
-        # The reply takes the accepted tokens, then the bonus; the one that ends it is not
-        # committed (plain decoding never commits its last token either).
-        sampler, emitted = self.sampler, []
-        keep, done = len(outcome.rows), False
-        for i, token in enumerate([*outcome.tokens, outcome.bonus]):
-            emitted.append(token)
-            if sampler is not None:  # token i was picked on row outcome.rows[i]
-                sampler.record(self._adjusted[outcome.rows[i]], token)
-            if self.reply.push(token):
-                keep, done = i + 1, True
-                break
-            if sampler is not None:
-                sampler.observe(token)
-        rows = outcome.rows[:keep]
+        rows, emitted, done = take_path(self.reply, self.sampler, self._adjusted, outcome)
         t = time.perf_counter()
         self.spec.target.commit(rows)
-        self.spec.drafter.observe(self._out.hiddens, rows=rows)
+        if self.spec.drafter is not None:
+            self.spec.drafter.observe(self._out.hiddens, rows=rows)
         commit_s = time.perf_counter() - t
         self.cache.commit(outcome.plan.tokens[rows])
         return Committed(rows, emitted, done, commit_s)
 
 
+class RoundDecode(Decode):
+    """One request's speculative rounds as steps of a Batch, beside other requests: row() plans
+    its round on the shared scheduler (its own RequestState: n-gram index, anchor, counters),
+    drafting on its slot's own drafter when the round drafts, the batch verifies every
+    request's rows in one call (tapping the drafters' layers), take() accepts, commits its path
+    to its own slot (target and drafter) and learns."""
+
+    def __init__(self, spec: Speculator, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.spec = spec
+        self.request: RequestState | None = None  # from the first decode step on
+        self._room = 0
+        self._plan: Plan | None = None
+        self._plan_s = 0.0
+        self.first_round = False  # this step's round is the request's first
+        # the step beside others as priced before it plans (Speculator.price_step; None alone)
+        self.step: StepPrice | None = None
+        self.step_tokens, self.step_s = 0, 0.0  # its last round's tokens and own time
+
+    def advance(self, capacity: int) -> bool:
+        """The first decode step: the reply takes the prefill's pick, the scheduler a request;
+        every step: stop, length and cancellation (as Speculator.decode checks them)."""
+        if self.request is None:
+            temperature = self.sampler.params.temperature if self.sampler is not None else 0.0
+            self.request = self.spec.scheduler.begin_request([*self.slot.ids, self.token],
+                                                             temperature=temperature)
+            if self.reply.push(self.token):
+                return self._stop()
+            if self.sampler is not None:
+                self.sampler.observe(self.token)
+        elif self.reply.done:
+            return self._stop()
+        if len(self.slot) >= capacity:
+            self.reply.end("length")
+            return self._stop()
+        if self.cancelled():
+            return self._stop()
+        self._room = capacity - len(self.slot)
+        return True
+
+    def row(self) -> tuple[Any, np.ndarray, np.ndarray]:
+        """Plan this request's round (D): its rows for Transformer.verify_many."""
+        start = time.perf_counter()
+        self.first_round = self.request.rounds == 0
+        self._plan = self.spec.scheduler.plan_round(
+            len(self.slot) + 1, self._draft, self.spec.stop_ids, self._room,
+            request=self.request, step=self.step)
+        self._plan_s = time.perf_counter() - start
+        return self.rows()
+
+    def rows(self) -> tuple[Any, np.ndarray, np.ndarray]:
+        plan = self._plan
+        return plan.tokens, plan.depths, plan.mask
+
+    def cut(self, keep: int) -> tuple[Any, np.ndarray, np.ndarray]:
+        """Verify only the plan's first `keep` candidates (the shared row budget)."""
+        self._plan = self.spec.scheduler.cut(self._plan, keep, request=self.request)
+        return self.rows()
+
+    def _draft(self) -> Block:
+        """The round drafts (plan_round asks, timed in D): one draft on this request's own
+        drafter, after its anchor at the end of its slot, on its own sampler's noise."""
+        drafter = self.slot.drafter
+        if drafter is None:  # the scheduler asks only on arms that need one
+            raise RuntimeError(f"arm {self.spec.arm} drafted without a drafter")
+        noise = self.spec.draft_noise(drafter, self.sampler, len(self.slot))
+        return drafter.draft(self.request.anchor, noise=noise)
+
+    def take(self, argmax: Any, logits: Any = None, step: Any = None,
+             hiddens: Any = None) -> None:
+        """Accept on the verified rows, the reply takes the path, the slot commits the kept
+        rows, the scheduler learns. A round alone in its call learns as Speculator.decode's;
+        beside others its verify time is the shared call's, so it teaches no price
+        (Speculator.learn_shared_verify teaches the call's at its total rows)."""
+        sched, plan, sampler = self.spec.scheduler, self._plan, self.sampler
+        start = time.perf_counter()
+        adjusted: dict[int, Any] = {}
+        if sampler is None:
+            picks = argmax.cpu().numpy()
+        else:
+            picks, adjusted = sample_path(sampler, logits.cpu(), plan, len(self.slot))
+        walk = time.perf_counter()
+        outcome = sched.accept(plan, picks)
+        walk_s = time.perf_counter() - walk
+        rows, emitted, done = take_path(self.reply, sampler, adjusted, outcome)
+        commit = time.perf_counter()
+        self.slot.kv.commit(rows)
+        if self.slot.drafter is not None:  # the kept rows' taps: its drafter's next features
+            self.slot.drafter.observe(hiddens, rows=rows)
+        commit_s = time.perf_counter() - commit
+        self.slot.commit(plan.tokens[rows])
+        self.step_tokens, self.step_s = len(emitted), self._plan_s + time.perf_counter() - walk
+        alone = step is None or step.sequences == 1
+        verify_s = (0.0 if step is None else step.verify_s) + walk - start
+        record = sched.learn(outcome, RoundTimes(self._plan_s, verify_s, walk_s + commit_s),
+                             last_round=done, request=self.request, cost=alone)
+        self.spec.report(record, RoundTrace(plan, picks, outcome, list(rows), emitted),
+                         self.timing, self.request_id)
+        if done:
+            self._stop()
+
+    def _stop(self) -> bool:
+        """The request ends: its decode time and tokens (as Engine counts a speculative
+        reply's), then the scheduler's end of request and the learned store."""
+        super()._stop()
+        produced = len(self.reply.token_ids) + (self.reply.stop_token_id is not None)
+        self.timing.decode_tokens = max(0, produced - 1)
+        if self.request is not None and self.request.anchor is not None:
+            self.spec._end_request(self.request)
+        return False
+
+
 class Speculator:
     """The drafter, scheduler, learned store and round log an engine decodes speculatively with.
 
-    target: the engine's Transformer; drafter: a drafter.runtime.Drafter for it; stop_ids: the
-    tokenizer's end tokens (nothing is verified below one); store: where the scheduler's learned
-    state is saved after every request (None: not kept); round_log: a JSONL path (None: off).
+    target: the engine's Transformer; drafter: a drafter.runtime.Drafter for it, or None for an
+    arm that never drafts (`ngram`: no taps, no drafter cache); stop_ids: the tokenizer's end
+    tokens (nothing is verified below one); store: where the scheduler's learned state is saved
+    after every request (None: not kept); round_log: a JSONL path (None: off).
     """
 
-    def __init__(self, target: Any, drafter: Any, scheduler: Scheduler, stop_ids=(),
+    def __init__(self, target: Any, drafter: Any | None, scheduler: Scheduler, stop_ids=(),
                  store: Store | None = None, round_log: str | Path | None = None):
+        if drafter is None and scheduler.arm.needs_drafter:
+            raise UserError(f"arm {scheduler.arm.name} needs a drafter")
         self.target = target
         self.drafter = drafter
         self.scheduler = scheduler
@@ -155,7 +285,8 @@ class Speculator:
         # called after every round with its round-log record and plan (the server's metrics)
         self.observers: list[Callable[[dict, Plan], None]] = []
         self.shared_noise = True  # when sampling, the drafter drafts on the target's noise
-        self._sampler: Sampler | None = None  # the request's, while decode() runs
+        # the batch's steps of several requests: their tokens per ms (the row budget's rate)
+        self.step_rate = BandRate()
 
     @property
     def arm(self) -> str:
@@ -163,16 +294,18 @@ class Speculator:
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        return tuple(self.drafter.tap_layers)
+        return () if self.drafter is None else tuple(self.drafter.tap_layers)
 
     # ----- caches --------------------------------------------------------------------------
     def reset(self) -> None:
-        self.drafter.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def after_prefill(self, keep: int, hiddens: dict) -> None:
         """The target kept `keep` cached tokens and prefilled the rest with these taps."""
-        self.drafter.truncate(min(keep, self.drafter.length))
-        self.drafter.observe(hiddens)
+        if self.drafter is not None:
+            self.drafter.truncate(min(keep, self.drafter.length))
+            self.drafter.observe(hiddens)
 
     # ----- one reply -----------------------------------------------------------------------
     def decode(self, anchor: int, reply: Any, cache: CachedTokens, capacity: int,
@@ -186,7 +319,6 @@ class Speculator:
         start = time.perf_counter()
         temperature = sampler.params.temperature if sampler is not None else 0.0
         sched.begin_request([*cache.ids, anchor], temperature=temperature)
-        self._sampler = sampler
         try:
             with cache.guard():
                 done = reply.push(anchor)
@@ -204,7 +336,6 @@ class Speculator:
                     done = self._round(target, capacity - length, timing, request_id)
                 timing.decode_s = time.perf_counter() - start
         finally:
-            self._sampler = None
             self._end_request()
 
     def _round(self, target: _EngineTarget, room: int, timing: Timing,
@@ -213,28 +344,102 @@ class Speculator:
         ctx = self.target.cache.length + 1  # committed tokens, the anchor included
         result = run_round(self.scheduler, target, ctx, self.stop_ids, room)
         target.anchor = result.outcome.bonus
-        record = result.record
+        self.report(result.record, RoundTrace(result.plan, result.argmax, result.outcome,
+                                              list(result.committed.rows),
+                                              result.committed.emitted), timing, request_id)
+        return result.committed.done
+
+    def share_rows(self, seqs: list, rows: list[tuple]) -> list[tuple]:
+        """Batch.before_verify: the shared row budget (docs/round.md, "Under load"). Each
+        request's plain row first, then every request's planned candidates best-first by Q,
+        priced at the call's total rows against the steps' long-run rate (budget.allocate);
+        each request's tree is cut to its share. A request's own chooser sized its plan, so
+        the budget only cuts. Off with one request (its round is the solo one), before the
+        steps' rate is measured, or where no measured price holds the plain rows."""
+        price = self.step_price(seqs)
+        if price is None:
+            return rows
+        sched, fixed, candidates = self.scheduler, 0, []
+        for seq, row in zip(seqs, rows, strict=True):
+            q = sched.candidates(seq._plan) if isinstance(seq, RoundDecode) else None
+            if q is None:  # its rows stand as planned
+                fixed += len(row[0]) - 1
+            candidates.append(np.zeros(0) if q is None else q)
+
+        def step_ms(total: int) -> float:
+            return price.step_ms(total + fixed)
+
+        shares = allocate(candidates, step_ms, price.rate)
+        return [seq.cut(share) if share < len(q) else row
+                for seq, row, q, share in zip(seqs, rows, candidates, shares, strict=True)]
+
+    def step_price(self, seqs: list) -> StepPrice | None:
+        """The step of these requests as budget.allocate prices it: their plain rows, the
+        scheduler's price of a call at their mean context (Scheduler.step_price) and the
+        steps' long-run rate. None: one request (its round is the solo one), the rate not yet
+        measured, or no measured price holding the plain rows."""
+        rate = self.step_rate.rate
+        if len(seqs) < 2 or rate is None:
+            return None
+        sched = self.scheduler
+        ctx = float(np.mean([len(seq.slot) + 1 for seq in seqs]))
+
+        def step_ms(total: int) -> float:
+            return sched.step_price(total, ctx)
+
+        if not math.isfinite(step_ms(len(seqs))):
+            return None
+        return StepPrice(len(seqs), step_ms, rate)
+
+    def price_step(self, seqs: list) -> None:
+        """Batch.before_plan: each request plans its round against the step's price and rate
+        (StepPrice), the ones the row budget then cuts by, so that a draft the budget would
+        throw away is not made (Scheduler.plan_round's `step`)."""
+        step = self.step_price(seqs)
+        for seq in seqs:
+            if isinstance(seq, RoundDecode):
+                seq.step = step
+
+    def learn_shared_verify(self, seqs: list, step: Any) -> None:
+        """Batch.after_verify: a call over several requests' rounds teaches its time at its
+        total rows, at their rows' mean context (docs/batching.md), not in a round that is
+        some request's first (it runs cold, as a first round teaches no price); and the
+        steps' long-run rate (their tokens over their time) that the row budget prices by."""
+        rounds = [seq for seq in seqs if isinstance(seq, RoundDecode) and seq._plan is not None]
+        if step.sequences < 2 or not rounds:
+            return
+        rows = [seq._plan.rows for seq in rounds]
+        ctx = sum(r * seq._plan.context_length for r, seq in zip(rows, rounds, strict=True)
+                  ) / sum(rows)
+        first = any(seq.first_round for seq in rounds)
+        self.scheduler.learn_shared_verify(step.rows, ctx, 1000.0 * step.verify_s,
+                                           teach=not first)
+        if not first and not any(seq.finished for seq in rounds):  # an end cuts a round short
+            self.step_rate.observe(sum(seq.step_tokens for seq in rounds),
+                                   1000.0 * (step.verify_s + sum(s.step_s for s in rounds)))
+
+    def report(self, record: RoundRecord, trace: RoundTrace, timing: Timing,
+               request_id: str | None) -> None:
+        """A round's record to the request's timing, the round log, the observers and the hook."""
         record.arm, record.request = self.arm, request_id
-        timing.count_round(record, len(result.committed.emitted))
+        timing.count_round(record, len(trace.emitted))
         if self.round_log_path is not None or self.observers:  # the JSON row has readers
             row = record.to_json()
             self._write(row)
             for observe in self.observers:
-                observe(row, result.plan)
+                observe(row, trace.plan)
         if self.round_hook is not None:
-            self.round_hook(RoundTrace(result.plan, result.argmax, result.outcome,
-                                       list(result.committed.rows), result.committed.emitted))
-        return result.committed.done
+            self.round_hook(trace)
 
-    def _draft_noise(self, start: int):
-        """The target's noise at the block's positions over the draft vocabulary, times T (the
-        drafter's argmax of l + T g is the Gumbel-max pick of softmax(l / T)); None: greedy."""
-        sampler = self._sampler
+    def draft_noise(self, drafter: Any, sampler: Sampler | None, start: int):
+        """The request's noise at the block's positions (the anchor at `start`) over the draft
+        vocabulary, times T (the drafter's argmax of l + T g is the Gumbel-max pick of
+        softmax(l / T)); None: greedy."""
         if sampler is None or sampler.noise is None or not self.shared_noise:
             return None
-        block = self.drafter.block_size
+        block = drafter.block_size
         g = sampler.noise.rows(range(start + 1, start + block + 1))
-        return g[:, self.drafter.model.draft_ids] * sampler.params.temperature
+        return g[:, drafter.model.draft_ids] * sampler.params.temperature
 
     # ----- persistence ---------------------------------------------------------------------
     def _write(self, record: dict) -> None:
@@ -249,9 +454,9 @@ class Speculator:
                                 f"{err.strerror or err}") from None
         self._log.write(json.dumps(record) + "\n")
 
-    def _end_request(self) -> None:
+    def _end_request(self, request: RequestState | None = None) -> None:
         """The cost model's refit, then the learned state and the round log reach the disk."""
-        self.scheduler.end_request()
+        self.scheduler.end_request(request)
         if self._log is not None:
             self._log.flush()
         if self.store is not None:
@@ -271,34 +476,53 @@ class Speculator:
 # (benchmarks/arms.py, short subset). Every arm emits the target's greedy tokens; the paper's
 # arms stay available by name for its protocol (`adaspark bench`).
 DEFAULT_ARM = "adaspark,gate"
+# ... and for a model with no drafter (none shipped for its file, none given): the paper's n-gram
+# fill alone, priced and sized like the drafted arms' trees, a plain row where they do not pay.
+NO_DRAFTER_ARM = "ngram"
 
 
 def load_speculator(target: Any, model_path: Path, stop_ids, options: ModelOptions
                     ) -> Speculator | None:
     """The speculator for options.arm, or None for `ar` (the engine's plain decode loop).
 
-    An arm of None means DEFAULT_ARM when a drafter exists for the model (the shipped one, or
-    options.drafter), else plain decoding with a warning; a named drafting arm without a
-    drafter is an error."""
-    from adaspark.drafter.loading import default_drafter_for, load_drafter, target_info
+    An arm of None means DEFAULT_ARM when a drafter exists for the model (options.drafter, or
+    the shipped one when it was trained for this model file), else NO_DRAFTER_ARM with a
+    warning; a named drafting arm without a drafter is an error; `ngram` never loads one."""
+    from adaspark.drafter.loading import load_drafter, target_info
     from adaspark.learned_store import drafter_sha256, fingerprint, open_store, restore
 
-    arm = options.arm or Arm.parse(DEFAULT_ARM)
-    if not arm.draft:
+    arm = options.arm
+    if arm is not None and not arm.draft:
         return None
     info = target_info(target, model_path)
-    try:
-        checkpoint = Path(options.drafter) if options.drafter else default_drafter_for(info)
-    except UserError as err:
-        if options.arm is not None:
-            raise
-        _log.warning("%s; decoding without speculation (arm ar)", err)
-        return None
-    draft = load_drafter(target, model_path, checkpoint)
+    checkpoint = _checkpoint(arm, options, info)
+    if arm is None:
+        arm = Arm.parse(DEFAULT_ARM if checkpoint is not None else NO_DRAFTER_ARM)
+    draft = None if checkpoint is None else load_drafter(target, model_path, checkpoint)
     scheduler = Scheduler(arm)
-    learned = open_store(options.store,
-                         fingerprint(info["sha256"], drafter_sha256(checkpoint), target, arm))
+    drafter_hash = None if checkpoint is None else drafter_sha256(checkpoint)
+    learned = open_store(options.store, fingerprint(info["sha256"], drafter_hash, target, arm))
     refused = restore(scheduler, learned, options.fresh)
     if refused:
         _log.warning("%s", refused)
     return Speculator(target, draft, scheduler, stop_ids, learned, options.round_log)
+
+
+def _checkpoint(arm: Arm | None, options: ModelOptions, info: dict) -> Path | None:
+    """The drafter checkpoint the arm runs (None: no drafter). An arm left to the default
+    without a drafter for this model falls back to NO_DRAFTER_ARM; `ngram` loads none."""
+    from adaspark.drafter.loading import default_drafter_for
+
+    if arm is not None and not arm.needs_drafter:
+        if options.drafter:
+            _log.warning("arm %s runs without a drafter: %s is not loaded", arm.name,
+                         options.drafter)
+        return None
+    try:
+        return Path(options.drafter) if options.drafter else default_drafter_for(info)
+    except UserError as err:
+        if arm is not None:
+            raise
+        _log.warning("%s; decoding with the n-gram arm (%s), which needs none", err,
+                     NO_DRAFTER_ARM)
+        return None

@@ -8,8 +8,9 @@ one has finished. Per N: aggregate tok/s (every completion token over the wall t
 first request to the last reply), per-request decode tok/s (client clock: tokens over first to
 last streamed delta; median), time to first token (median, p95), and whether every reply equals
 the N = 1 reply to the same request (a reply may differ where the server reused another cached
-prefix for it: see docs/batching.md). Plain decoding (`ar`) batches its requests' rows into one
-forward; the speculative arms run one request at a time (docs/batching.md).
+prefix for it: see docs/batching.md). Every arm batches its requests' rows into one forward per
+step: one row each for plain decoding (`ar`), each request's round (its own draft first, for a
+drafting arm) for the speculative arms (docs/batching.md).
 
     .venv/bin/python benchmarks/concurrency.py --arms ar,adaspark+gate --clients 1,2,4,8
     .venv/bin/python benchmarks/concurrency.py --arms ar --clients 1,4 --requests 8 --cap 64 \\
@@ -20,7 +21,9 @@ forward; the speculative arms run one request at a time (docs/batching.md).
 cancelled after three deltas, some malformed) and reports 5xx answers (there should be none),
 completed replies equal to the same request sent alone, and the server's peak RSS.
 
-Not measured here (left for later): llama.cpp's `llama-server --parallel N` side by side.
+The arm `llama-server` runs llama.cpp's own server (built once by benchmarks/llama_server.py
+from the sources vs_llamacpp.py builds: `--parallel P`, continuous batching, the same GGUF and
+threads) through the same clients, so the two engines are measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -43,13 +46,18 @@ from adaspark.bench.conversations import Conversation, load_conversations
 from adaspark.bench.runner import machine_description
 from adaspark.bench.servers import LocalServer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_server import LlamaServer, ensure_built  # noqa: E402
+
 CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
+LLAMA_SERVER = "llama-server"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default="ar,adaspark+gate",
-                   help="comma-separated arms, modifiers with '+' (adaspark+gate)")
+                   help="comma-separated arms, modifiers with '+' (adaspark+gate); "
+                        "`llama-server`: llama.cpp's own server (benchmarks/llama_server.py)")
     p.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrent clients")
     p.add_argument("--requests", type=int, default=16,
                    help="requests per N (first turns, in file order; at least N)")
@@ -58,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the server's --parallel (default: the largest N)")
     p.add_argument("--threads", type=int, default=2, help="the server's OMP_NUM_THREADS")
     p.add_argument("--data", type=Path, default=CONVERSATIONS, help="conversations JSONL")
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded one)")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     p.add_argument("--mixed", type=int, default=0, metavar="M",
                    help="then M mixed requests (streamed, not, cancelled, malformed)")
@@ -126,10 +135,21 @@ def summarise(n: int, replies: list[StreamedReply | None], wall_s: float,
             "ttft_p95_s": percentile(ttft, 0.95), "same_as_solo": same}
 
 
+def make_server(arm: str, parallel: int, args, out_dir: Path):
+    """Our `adaspark serve --arm ARM`, or llama.cpp's llama-server for the arm `llama-server`."""
+    log = out_dir / f"{arm.replace(',', '+')}.log"
+    if arm == LLAMA_SERVER:
+        from adaspark.model.sources import resolve_model
+
+        return LlamaServer(resolve_model(args.model), log, parallel, args.threads)
+    extra = ["--parallel", str(parallel)] + (["--model", str(args.model)] if args.model else [])
+    return LocalServer(arm, log, out_dir / "store", fresh=True, round_log=None,
+                       extra_args=extra)
+
+
 def bench_arm(arm: str, clients: list[int], requests, args, out_dir: Path) -> list[dict]:
     parallel = args.parallel or max(clients)
-    server = LocalServer(arm, out_dir / f"{arm.replace(',', '+')}.log", out_dir / "store",
-                         fresh=True, round_log=None, extra_args=["--parallel", str(parallel)])
+    server = make_server(arm, parallel, args, out_dir)
     rows, solo = [], None
     with server:
         print(f"{arm}: the server's forward is {server.forward}, --parallel {parallel}", flush=True)
@@ -245,7 +265,7 @@ def mixed_check(server: LocalServer, arm: str, requests, m: int, n: int, cap: in
            "malformed_4xx": sum(1 for r in results if r["kind"] == "malformed"
                                 and r["status"] is not None and 400 <= r["status"] < 500),
            "completed_same_as_solo": same, "completed": len(completed),
-           "peak_rss_mb": peak_rss_mb(getattr(server._process, "pid", None))}
+           "peak_rss_mb": peak_rss_mb(server.pid)}
     print(f"{arm}: {m} mixed requests over {n} clients in {wall:.1f} s: "
           f"{row['server_errors']} server errors, malformed answered 4xx "
           f"{row['malformed_4xx']}/{kinds['malformed']}, completed replies equal alone "
@@ -278,6 +298,8 @@ def main(argv=None) -> int:
     if len(requests) < max(max(clients), args.requests):
         requests = (requests * (max(max(clients), args.requests) // len(requests) + 1))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it
+    if LLAMA_SERVER in arms:
+        ensure_built()
     machine = machine_description()
     print(f"CPU: {machine.get('cpu')}; server threads {args.threads}; cap {args.cap}; "
           f"{args.requests} requests per N (first turns of {args.data.name})")

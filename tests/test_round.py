@@ -428,3 +428,40 @@ def test_the_default_arms_cold_start_pays_only_for_measurements_that_could_pay()
         assert widths[:16] == [2] + [w for w in LADDER[:-1] for _ in range(3)]
         assert 64 in widths and sched.cost.reach == 57
         assert sum(t for p, t in zip(plans, times, strict=True) if p.chosen_by == "probe") > 0.5
+
+
+def batch_drafts(step_ms, rate: float, requests: int = 3, rounds: int = 6) -> tuple[int, int]:
+    """`requests` requests on one `adaspark,no-ngram` scheduler (no n-gram tree competes with a
+    draft), each round planned as beside the
+    others in a step priced by step_ms at `rate` (budget.StepPrice, the step's plain rows
+    being the requests'). Returns (drafts made, the rounds after each request's first)."""
+    from adaspark.scheduler.budget import StepPrice
+
+    sched, drafts = Scheduler(Arm.parse("adaspark,no-ngram")), []
+    step = StepPrice(requests, step_ms, rate)
+    states = [sched.begin_request([5 + 20 * i, 6 + 20 * i, 7 + 20 * i]) for i in range(requests)]
+
+    def draft():
+        drafts.append(1)
+        return make_block([11, 12, 13, 14])
+
+    for r in range(rounds):
+        for state in states:
+            plan = sched.plan_round(3 + r, draft, request=state, step=step)
+            outcome = sched.accept(plan, argmax_following(plan, [11, 12, 99, 5, 6]))
+            sched.learn(outcome, RoundTimes(fixed_s=0.0005, verify_s=0.01, commit_s=0.0),
+                        request=state, cost=False)
+    return len(drafts) - requests, requests * (rounds - 1)
+
+
+def test_beside_others_a_round_drafts_only_where_the_step_price_pays_for_its_tree():
+    """By hand: every Q is at most 1, so where each row past the step's plain ones costs a
+    whole token at the rate (3 plain rows at 10 ms each: 0.1 tokens per ms, 10 ms a row), no
+    tree pays and nothing beyond the first rounds drafts; with rows free up to 64 at a rate of
+    0.1 its tree (four picks at head 0.7, the first alone Q = 0.7) pays for a draft (D is not
+    learned from shared rounds here: 0), so every round drafts."""
+    expensive, total = batch_drafts(lambda rows: 10.0 * rows, 0.1)
+    assert expensive == 0 and total == 15
+    cheap, total = batch_drafts(lambda rows: 30.0, 0.1)
+    assert cheap == total
+

@@ -259,3 +259,69 @@ def test_the_default_arms_cold_start_does_not_lose_to_plain_decoding():
     assert paced.first3 >= 1.0 and paced.worst >= 0.9, paced
     assert paced.probe_loss <= PROBE_BUDGET, paced
     assert ladder.worst < 0.6 and ladder.probe_loss > 0.1, ladder
+
+
+# ----- multi-request mode (sim/multi.py): N streams, one verify call per step -----------------
+
+def test_a_steps_time_is_the_weights_at_total_rows_plus_each_requests_attention():
+    from adaspark.sim.curves import MAX_ROWS
+
+    cpu = load_curve("cpu-avx2")
+    assert cpu.step_s([3], [700]) == cpu.verify_s(3, 700)
+    slope = cpu.slope_ms_per_token
+    expected = (cpu.base_ms[5] + slope[2] * 100 + slope[3] * 4000) / 1000.0
+    assert cpu.step_s([2, 3], [100, 4000]) == pytest.approx(expected, rel=1e-12)
+    # past one request's widest tree the weights' part rises at the last measured rise per row
+    rise = (cpu.base_ms[MAX_ROWS] - cpu.base_ms[32]) / 32
+    assert cpu.base_step_ms(96) == pytest.approx(cpu.base_ms[MAX_ROWS] + 32 * rise)
+    with pytest.raises(UserError):
+        cpu.step_s([MAX_ROWS + 1], [0])
+
+
+def test_multi_request_runs_are_seeded_and_shaped():
+    from adaspark.sim.multi import LEVELS, run_streams
+
+    cpu = load_curve("cpu-avx2")
+    one = run_streams(cpu, 3, "shared", seconds=2.0, seed=1).as_dict()
+    assert one == run_streams(cpu, 3, "shared", seconds=2.0, seed=1).as_dict()
+    assert one != run_streams(cpu, 3, "shared", seconds=2.0, seed=2).as_dict()
+    assert [s["level"] for s in one["per_stream"]] == list(LEVELS[:3])
+    assert one["seconds"] >= 2.0 and one["steps"] > 0
+    rows = one["rows_per_step"] * one["steps"]
+    assert sum(s["rows_per_step"] for s in one["per_stream"]) * one["steps"] == pytest.approx(rows)
+    total = sum(s["tokens_per_s"] for s in one["per_stream"])
+    assert one["tokens_per_s"] == pytest.approx(total)
+    plain = run_streams(cpu, 2, "ar", seconds=1.0).as_dict()
+    assert plain["rows_per_step"] == 2 and plain["drafted_step_share"] == 0.0
+
+
+def test_the_shared_budget_of_one_request_is_its_solo_choice():
+    from adaspark.sim.multi import run_streams
+
+    cpu = load_curve("cpu-avx2")
+    shared, solo = (run_streams(cpu, 1, p, seconds=3.0).as_dict() for p in ("shared", "solo"))
+    assert shared["tokens_per_s"] == solo["tokens_per_s"] and shared["steps"] == solo["steps"]
+    assert shared["rows_per_step"] > 2  # it speculated: the equality is not two plain runs
+
+
+def test_speculation_recedes_under_load_with_the_shared_budget():
+    from adaspark.sim.multi import run_streams
+
+    cpu = load_curve("cpu-avx2")
+    runs = {n: run_streams(cpu, n, "shared", seconds=6.0).as_dict() for n in (1, 8)}
+    alone, loaded = (runs[n]["per_stream"][0]["rows_per_step"] for n in (1, 8))
+    assert loaded < alone - 0.5  # the same stream (same text, same drafter) verifies fewer rows
+    fixed = run_streams(cpu, 8, "fixed:4", seconds=6.0).as_dict()
+    assert runs[8]["tokens_per_s"] > fixed["tokens_per_s"]
+
+
+def test_sim_streams_command(capsys):
+    assert main(["sim", "--curve", "cpu-avx2", "--streams", "1,2", "--policies", "ar,shared",
+                 "--seconds", "0.5", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["streams"], r["policy"]) for r in rows] == [(1, "ar"), (1, "shared"),
+                                                           (2, "ar"), (2, "shared")]
+    assert main(["sim", "--curve", "cpu-avx2", "--streams", "2", "--seconds", "0.5"]) == 0
+    assert "aggregate tok/s" in capsys.readouterr().out
+    assert main(["sim", "--curve", "cpu-avx2", "--streams", "0"]) == 2
+    assert main(["sim", "--curve", "cpu-avx2", "--streams", "2", "--policies", "wide"]) == 2

@@ -145,8 +145,8 @@ def test_template_features(metadata):
 
 
 def test_unsupported_tokenizers_are_clear_errors(metadata, tmp_path):
-    with pytest.raises(UserError, match="unsupported tokenizer type 'llama'"):
-        Tokenizer.from_gguf(dict(metadata, **{"tokenizer.ggml.model": "llama"}))
+    with pytest.raises(UserError, match="unsupported tokenizer type 'bert'"):
+        Tokenizer.from_gguf(dict(metadata, **{"tokenizer.ggml.model": "bert"}))
     with pytest.raises(UserError, match="unsupported pre-tokenizer 'mystery'"):
         Tokenizer.from_gguf(dict(metadata, **{"tokenizer.ggml.pre": "mystery"}))
     bogus = tmp_path / "x.gguf"

@@ -32,8 +32,10 @@ def keyed_server(tmp_path_factory):
 
     model_path = default_model_path(download=False)
     stores = tmp_path_factory.mktemp("stores")
+    # one slot: a second request waits (the queue gauge test), whatever the machine's default
     app = create_app(lambda: Engine.load(model_path, arm="adaspark,gate", store=stores,
-                                         fresh=True), model_id=model_path.stem, api_key=KEY)
+                                         fresh=True), model_id=model_path.stem, api_key=KEY,
+                     parallel=1)
     with _serving(app) as base:
         _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300)

@@ -108,40 +108,27 @@ def _die_with_parent() -> None:
         pass  # not Linux: a killed bench may leave its server running
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class LocalServer:
-    """`adaspark serve --arm ARM` in a subprocess: started, waited for (/health 200), stopped."""
+class ServerProcess:
+    """A server command in a subprocess on `port`: started, waited for (/health 200), stopped.
+    Ours (LocalServer) or another engine's (benchmarks/llama_server.py)."""
 
-    def __init__(
-        self,
-        arm: str,
-        log_path: Path,
-        store: Path,
-        fresh: bool,
-        round_log: Path | None,
-        extra_args: list[str] = (),
-        health_timeout_s: float = 600.0,
-    ):
-        self.port = _free_port()
+    def __init__(self, command: list[str], port: int, log_path: Path,
+                 health_timeout_s: float = 600.0):
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_timeout_s = health_timeout_s
         self.forward: str | None = None  # what /health says the server's target runs
-        command = [sys.executable, "-m", "adaspark.cli", "serve", "--arm", arm]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), "--store", str(store)]
-        if fresh:
-            command.append("--fresh")
-        if round_log is not None:
-            command += ["--round-log", str(round_log)]
-        self.command = command + list(extra_args)
+        self.command = list(command)
         self._process: subprocess.Popen | None = None
 
-    def __enter__(self) -> LocalServer:
+    def __enter__(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
@@ -163,6 +150,10 @@ class LocalServer:
 
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.health_timeout_s
@@ -206,3 +197,26 @@ class LocalServer:
             process.wait()
         except ProcessLookupError:
             pass
+
+
+class LocalServer(ServerProcess):
+    """`adaspark serve --arm ARM` in a subprocess."""
+
+    def __init__(
+        self,
+        arm: str,
+        log_path: Path,
+        store: Path,
+        fresh: bool,
+        round_log: Path | None,
+        extra_args: list[str] = (),
+        health_timeout_s: float = 600.0,
+    ):
+        port = free_port()
+        command = [sys.executable, "-m", "adaspark.cli", "serve", "--arm", arm]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--store", str(store)]
+        if fresh:
+            command.append("--fresh")
+        if round_log is not None:
+            command += ["--round-log", str(round_log)]
+        super().__init__(command + list(extra_args), port, log_path, health_timeout_s)

@@ -12,6 +12,7 @@ import sys
 from adaspark.commands.generate import (
     add_generation_options,
     load_engine,
+    require_chat_template,
     sampling_params,
     timing_line,
 )
@@ -26,6 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)
     engine = load_engine(args)
+    require_chat_template(engine)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)

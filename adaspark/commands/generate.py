@@ -1,5 +1,5 @@
 """`adaspark generate`: one chat reply to a prompt (greedy, or sampled with --temperature),
-streamed or as JSON."""
+streamed or as JSON; with --raw, the prompt's text continued as it is (no chat template)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import sys
 
 from adaspark.engine import Engine, Generation
+from adaspark.errors import UserError
 from adaspark.options import ModelOptions, add_model_options
 from adaspark.sampling import SamplingParams
 
@@ -54,6 +55,14 @@ def load_engine(args: argparse.Namespace) -> Engine:
     return Engine.load(options=ModelOptions.from_args(args))
 
 
+def require_chat_template(engine: Engine) -> None:
+    """A model without a chat template (a base model) cannot chat: say what it can do."""
+    if engine.tokenizer.chat_template is None:
+        raise UserError("this model has no chat template (no tokenizer.chat_template in its "
+                        "GGUF), so it cannot chat: continue raw text with `adaspark generate "
+                        "--raw --prompt TEXT` (or the server's /v1/completions)")
+
+
 def timing_line(gen: Generation) -> str:
     t = gen.timings
     return (f"[{len(gen.prompt_token_ids)} prompt tokens ({t.reused_tokens} reused), prefill "
@@ -67,7 +76,11 @@ def timing_line(gen: Generation) -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, metavar="TEXT",
-                        help="the user message (rendered through the model's chat template)")
+                        help="the user message (rendered through the model's chat template), or "
+                             "with --raw the text to continue")
+    parser.add_argument("--raw", action="store_true",
+                        help="continue the prompt's text as it is: no chat template (a base "
+                             "model; what the server's /v1/completions does)")
     add_generation_options(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, ids, timing) instead of streaming")
@@ -75,16 +88,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)  # a bad value fails before the model loads
+    if args.raw and args.system:
+        raise UserError("--system is a chat message: not with --raw (put it in the prompt)")
     engine = load_engine(args)
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
-    messages.append({"role": "user", "content": args.prompt})
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    gen = engine.generate(messages, max_tokens=args.max_tokens, stop=args.stop,
-                          on_text=None if args.json else stream, sampling=sampling)
+    gen = engine.generate_ids(prompt_ids(engine, args), max_tokens=args.max_tokens,
+                              stop=args.stop, on_text=None if args.json else stream,
+                              sampling=sampling)
     if args.json:
         print(json.dumps({
             "text": gen.text, "token_ids": gen.token_ids,
@@ -93,9 +107,20 @@ def run(args: argparse.Namespace) -> int:
             "timings": gen.timings.as_dict(), "model": str(engine.model_path),
             "precision": args.precision,
             "arm": engine.speculator.arm if engine.speculator is not None else "ar",
+            "forward": engine.forward, "raw": args.raw,
             "seed": gen.seed,
         }, ensure_ascii=False))
     else:
         print()
         print(timing_line(gen), file=sys.stderr)
     return 0
+
+
+def prompt_ids(engine: Engine, args: argparse.Namespace) -> list[int]:
+    """The prompt's token ids: the text as it is with --raw, else a chat turn (with --system)."""
+    if args.raw:
+        return engine.tokenizer.encode_prompt(args.prompt)
+    require_chat_template(engine)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    return engine.tokenizer.encode_chat(messages)

@@ -15,6 +15,7 @@ import os
 import socket
 
 from adaspark.errors import UserError
+from adaspark.memory import bound_native_heap
 from adaspark.options import ModelOptions, add_model_options
 from adaspark.server.auth import ENV_VAR, ApiKey
 
@@ -68,6 +69,7 @@ def _loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    bound_native_heap()  # before torch's first matmul and the model's load (memory.py)
     import uvicorn
 
     from adaspark.engine import Engine

@@ -23,6 +23,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(the pinned arms are ARM:N)")
     parser.add_argument("--workers", type=int, default=None,
                         help="processes running arms at once (default: one per CPU)")
+    parser.add_argument("--streams", help="multi-request mode: N request streams sharing one "
+                        "verify call per step, comma-separated counts (e.g. 1,2,4,8)")
+    parser.add_argument("--policies", help="multi-request mode's row policies, comma-separated "
+                        "(default ar,fixed:4,fixed:8,solo,shared)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="multi-request mode: simulated seconds per run (default 20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -38,6 +44,33 @@ def _widths(text: str | None) -> tuple[int, ...] | None:
     return widths
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise UserError(f"--streams must be comma-separated integers, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"--streams must be at least 1 each, got {text!r}")
+    return counts
+
+
+def _run_multi(args: argparse.Namespace, curve) -> int:
+    from adaspark.sim.multi import DEFAULT_POLICIES, DEFAULT_SECONDS, format_table, multi_sweep
+
+    policies = (tuple(p.strip() for p in args.policies.split(",") if p.strip())
+                if args.policies else DEFAULT_POLICIES)
+    seconds = DEFAULT_SECONDS if args.seconds is None else args.seconds
+    if not seconds > 0:
+        raise UserError(f"--seconds must be positive, got {args.seconds}")
+    rows = multi_sweep(curve, _counts(args.streams), policies, seconds, args.seed)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(f"{seconds:g} simulated seconds per run, seed {args.seed}")
+        print(format_table(rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from adaspark.sim.curves import curve_from_round_log, curve_names, load_curve
     from adaspark.sim.run import PINNED_WIDTHS, sweep
@@ -51,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if args.requests < 1:
         raise UserError(f"--requests must be at least 1, got {args.requests}")
     curve = load_curve(args.curve) if args.curve else curve_from_round_log(args.round_log)
+    if args.streams:
+        return _run_multi(args, curve)
     widths = _widths(args.widths) or PINNED_WIDTHS
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")

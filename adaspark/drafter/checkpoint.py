@@ -11,6 +11,7 @@ from the target at load, which the fingerprint guarantees is the same target.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from adaspark.hashing import sha256_files
 
 FORMAT = "adaspark-dspark-drafter/1"
 FINGERPRINT_KEYS = ("arch", "n_layers", "dim", "vocab_size")
+_log = logging.getLogger(__name__)
 
 
 def target_fingerprint(config, model_path: Path | None = None, sha256: str | None = None) -> dict:
@@ -68,17 +70,36 @@ def read_config(path: Path) -> dict:
 
 
 def check_target(config: dict, target: dict, path: Path) -> None:
-    """Refuse a drafter trained for another target (shape, or the same shape but another file)."""
+    """Refuse a drafter trained for another target (shape, or the same shape but another file).
+
+    A checkpoint names its target by the model file's sha256 (save_checkpoint records
+    target_fingerprint(config, model_path)), so one trained for a file of another name is
+    taken when the hashes agree. A checkpoint that records no sha256 (saved without a model
+    path) is taken when its shape fields agree, with a warning: what it drafts cannot change
+    an emitted token (each is the target's own, verified), only how many a round accepts."""
     saved = config.get("target", {})
     for key in (*FINGERPRINT_KEYS, "sha256"):
         if key in saved and key in target and saved[key] != target[key]:
             raise UserError(
-                f"drafter checkpoint {path} was trained for a target with {key}={saved[key]!r}, "
-                f"but this target has {key}={target[key]!r}"
+                f"drafter checkpoint {path} was trained for a target with {key}={saved[key]!r} "
+                f"({_named(saved)}), but this target has {key}={target[key]!r} "
+                f"({_named(target)}); train one for it with `adaspark train-drafter`"
             )
+    if "sha256" not in saved:
+        _log.warning("drafter checkpoint %s records no model hash: taken for %s on its shape "
+                     "alone (it may draft poorly; every emitted token is still the target's)",
+                     path, _named(target))
     layers = config["drafter"]["target_layers"]
     if any(not 0 <= t < target["n_layers"] for t in layers):
         raise UserError(f"drafter checkpoint {path} taps layers {layers} the target lacks")
+
+
+def _named(fingerprint: dict) -> str:
+    """A target fingerprint in words: its model file, else its shape."""
+    if fingerprint.get("model_file"):
+        return f"model file {fingerprint['model_file']}"
+    return "a model with " + ", ".join(f"{k}={fingerprint[k]!r}" for k in FINGERPRINT_KEYS
+                                       if k in fingerprint)
 
 
 def load_checkpoint(path: Path, target: dict, embed: Embed) -> DraftModel:

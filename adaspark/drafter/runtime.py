@@ -87,7 +87,7 @@ class Drafter:
         self.shortlist = shortlist
         self.native = None
         if native is not None:
-            from adaspark.drafter.native import NativeCache, native_drafter
+            from adaspark.drafter.native import native_drafter
 
             try:
                 self.native = native_drafter(native, model, positions)
@@ -104,8 +104,8 @@ class Drafter:
         self.model = model.eval()
         self.dtype = dtype
         self.embed = embed
-        self._cache = (DrafterCache(model, capacity) if self.native is None
-                       else NativeCache(self.native, model, capacity, positions))
+        self._capacity, self._positions = capacity, positions
+        self._cache = self._new_cache()
         self._pending: list[torch.Tensor] = []  # observed taps [n, n_taps, dim] not yet in cache
         self._pending_len = 0
         c = model.c
@@ -118,6 +118,21 @@ class Drafter:
         self._temperature = model.temperature.float()
         if dtype != torch.float32:
             model.confidence.float()
+
+    def _new_cache(self) -> DrafterCache:
+        if self.native is None:
+            return DrafterCache(self.model, self._capacity)
+        from adaspark.drafter.native import NativeCache
+
+        return NativeCache(self.native, self.model, self._capacity, self._positions)
+
+    def fork(self) -> Drafter:
+        """Another sequence's drafter (a batch slot's): the same weights, its own empty
+        feature cache; drafts and observes on one never touch the other's."""
+        other = copy.copy(self)
+        other._cache = self._new_cache()
+        other._pending, other._pending_len = [], 0
+        return other
 
     @property
     def cache(self) -> DrafterCache:

@@ -2,6 +2,8 @@
 
 A verify writes its n rows' K/V at slots length .. length+n-1 without advancing `length`;
 commit gathers the accepted rows into slots length .. length+len(path)-1 and advances it.
+Sliding-window layers (Gemma 3's local ones) keep every slot as well: a committed slot's index
+is its position, and the forward masks by position, so commit and truncate need nothing more.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Model hyper-parameters, read from GGUF metadata (`{arch}.*` keys, as llama.cpp names them)."""
+"""Model hyper-parameters, read from GGUF metadata (`{arch}.*` keys, as llama.cpp names them).
+
+An architecture is a row of ARCHITECTURES: which parts its decoder block is made of. The
+forward (transformer.py) composes a block from those parts, so another architecture built from
+the same parts is one more row here.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,32 @@ from adaspark.errors import UserError
 
 
 @dataclass(frozen=True)
+class ArchTraits:
+    pair_rope_rows: bool  # q/k rows stored in HF's half split: permuted to pairs at load
+    qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE
+    attn_bias: bool = False  # biases on the q, k, v projections
+    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before each residual add
+    ffn_act: str = "silu"  # gated FFN's activation on the gate: silu | gelu_tanh
+    embed_scale: bool = False  # input embeddings times sqrt(dim)
+    global_every: int = 0  # sliding-window attention except on every n-th layer (0: no window)
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers
+
+
+ARCHITECTURES: dict[str, ArchTraits] = {
+    "llama": ArchTraits(pair_rope_rows=False),
+    "qwen2": ArchTraits(pair_rope_rows=True, attn_bias=True),
+    "qwen3": ArchTraits(pair_rope_rows=True, qk_norm=True),
+    # llama.cpp's gemma3 graph: GeGLU, four norms per block, QK-norm, 5 local : 1 global layers
+    # with their own RoPE bases (local 10000), embeddings scaled by sqrt(dim), tied head
+    "gemma3": ArchTraits(pair_rope_rows=True, qk_norm=True, post_norms=True,
+                         ffn_act="gelu_tanh", embed_scale=True, global_every=6,
+                         local_rope_theta=10000.0),
+}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # llama | qwen2 | qwen3
+    arch: str  # a key of ARCHITECTURES
     n_layers: int
     dim: int
     n_heads: int
@@ -19,15 +48,38 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     vocab_size: int
-    rope_theta: float
+    rope_theta: float  # the global layers' RoPE base
     norm_eps: float
     context_length: int
-    qk_norm: bool  # qwen3: RMSNorm on each head's q and k before RoPE
-    attn_bias: bool  # qwen2: biases on the q, k, v projections
+    qk_norm: bool
+    attn_bias: bool
+    traits: ArchTraits
+    # per layer: how many positions back a row sees, itself included (0: all of them)
+    windows: tuple[int, ...] = ()
+    attn_scale: float = 0.0  # scores = q.k * attn_scale
+    rope_factor: float = 1.0  # global layers' linear RoPE scaling: positions / factor
+
+    @property
+    def sliding(self) -> bool:
+        return any(self.windows)
+
+    @property
+    def plain_block(self) -> bool:
+        """A llama-style block: none of Gemma's parts."""
+        t = self.traits
+        return not (t.post_norms or t.embed_scale or self.sliding or t.ffn_act != "silu")
+
+    def layer_rope_theta(self, layer: int) -> float:
+        local = self.windows[layer] and self.traits.local_rope_theta is not None
+        return self.traits.local_rope_theta if local else self.rope_theta
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], vocab_rows: int | None = None) -> ModelConfig:
         arch = str(meta.get("general.architecture", ""))
+        if arch not in ARCHITECTURES:
+            raise UserError(f"unsupported model architecture {arch!r} "
+                            f"(supported: {', '.join(ARCHITECTURES)})")
+        traits = ARCHITECTURES[arch]
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -39,6 +91,7 @@ class ModelConfig:
         n_heads = int(get("attention.head_count"))
         n_kv = int(get("attention.head_count_kv", n_heads))
         head_dim = int(get("attention.key_length", dim // n_heads))
+        n_layers = int(get("block_count"))
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
@@ -47,7 +100,7 @@ class ModelConfig:
             raise UserError("GGUF metadata gives no vocabulary size")
         return cls(
             arch=arch,
-            n_layers=int(get("block_count")),
+            n_layers=n_layers,
             dim=dim,
             n_heads=n_heads,
             n_kv_heads=n_kv,
@@ -57,6 +110,36 @@ class ModelConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             context_length=int(get("context_length", 2048)),
-            qk_norm=arch == "qwen3",
-            attn_bias=arch == "qwen2",
+            qk_norm=traits.qk_norm,
+            attn_bias=traits.attn_bias,
+            traits=traits,
+            windows=_windows(traits, n_layers, get),
+            attn_scale=_attn_scale(arch, n_layers, dim, n_heads, head_dim),
+            rope_factor=_rope_factor(meta, arch),
         )
+
+
+def _windows(traits: ArchTraits, n_layers: int, get) -> tuple[int, ...]:
+    """llama.cpp's set_swa_pattern(n): every n-th layer (the last of each n) is global."""
+    if not traits.global_every:
+        return (0,) * n_layers
+    window = int(get("attention.sliding_window"))
+    every = traits.global_every
+    return tuple(window if i % every < every - 1 else 0 for i in range(n_layers))
+
+
+def _attn_scale(arch: str, n_layers: int, dim: int, n_heads: int, head_dim: int) -> float:
+    """head_dim**-0.5; Gemma 3 27B (62 layers) scales by (dim / heads)**-0.5 instead (its
+    query_pre_attn_scalar, which llama.cpp infers from the layer count: GGUF does not store it)."""
+    if arch == "gemma3" and n_layers == 62:
+        return (dim / n_heads) ** -0.5
+    return head_dim ** -0.5
+
+
+def _rope_factor(meta: Mapping[str, Any], arch: str) -> float:
+    """Linear RoPE scaling (Gemma 3 4B+ global layers): positions divided by the factor. Other
+    kinds stay unapplied, as before this was read (llama 3's comes as rope_freqs instead)."""
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if meta.get(f"{arch}.rope.scaling.type") != "linear" or not factor:
+        return 1.0
+    return float(factor)

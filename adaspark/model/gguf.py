@@ -16,9 +16,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from adaspark.errors import UserError
+from adaspark.model.config import ARCHITECTURES
 from adaspark.model.sources import check_gguf_file
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 Q = GGMLQuantizationType
 # Kept packed and multiplied by torch's int4 kernel (and, for Q8_0, held as int8 blocks).

@@ -3,8 +3,10 @@
 A GGUF carries no tokenizer.json, only llama.cpp's keys: the vocabulary, the BPE merges, the
 token types and a name for the pre-tokenizer (`tokenizer.ggml.pre`). We rebuild a byte-level BPE
 with the `tokenizers` library and pick the split regex the way llama.cpp does for that name, so the
-ids match what the model was trained on. The chat template (`tokenizer.chat_template`) is rendered
-with a sandboxed jinja2, the same globals and filters transformers gives templates.
+ids match what the model was trained on. SentencePiece-style vocabularies (`tokenizer.ggml.model`
+"llama": Gemma, Llama 2: pieces with scores, no merges) are built in spm.py. The chat template
+(`tokenizer.chat_template`) is rendered with a sandboxed jinja2, the same globals and filters
+transformers gives templates.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from adaspark.errors import UserError
+from adaspark.model import spm
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 CONTROL, USER_DEFINED = 3, 4
@@ -58,13 +61,6 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
 _END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
                       "<end_of_turn>", "<|end|>", "<EOT>")
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-
-# Used only when a GGUF has no tokenizer.chat_template (llama.cpp falls back to ChatML too).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 # A template that ignores `tools` (SmolLM2's does) still gets them, in the system message, in the
 # shape SmolLM2 was tuned on for function calling: the tools as JSON inside <tools></tools>, calls
@@ -130,48 +126,55 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[int],
+                    pre: str) -> tuple[_HFTokenizer, list[bytes]]:
+    """GPT-2-style byte-level BPE (`tokenizer.ggml.model == "gpt2"`) and each token's bytes."""
+    if pre not in _PRE_TOKENIZERS:
+        raise UserError(f"unsupported pre-tokenizer {pre!r}; known: {sorted(_PRE_TOKENIZERS)}")
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", ())]
+    splits, ignore_merges = _PRE_TOKENIZERS[pre]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     ignore_merges=ignore_merges)
+    hf = _HFTokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True) if r == DIGITS
+         else pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>…) must match whole in text, never be cut into bytes.
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, types, strict=True) if k == CONTROL])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
+    # Each token's bytes, by the ByteLevel decoder's own rule: spelled in the byte alphabet
+    # -> those bytes, otherwise the token's UTF-8 as is.
+    spelled = {c: b for b, c in _bytes_to_unicode().items()}
+    return hf, [bytes(spelled[c] for c in t) if set(t) <= spelled.keys() else t.encode()
+                for t in tokens]
+
+
 class Tokenizer:
-    """Byte-level BPE tokenizer + chat template of one GGUF model."""
+    """Tokenizer (byte-level BPE or SentencePiece-style) + chat template of one GGUF model."""
 
     def __init__(self, metadata: Mapping[str, Any]):
         model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise UserError(f"unsupported tokenizer type {model!r} (only byte-level BPE, 'gpt2')")
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            raise UserError(f"unsupported pre-tokenizer {pre!r}; known: {sorted(_PRE_TOKENIZERS)}")
+        if model not in ("gpt2", "llama"):
+            raise UserError(f"unsupported tokenizer type {model!r} (byte-level BPE 'gpt2' or "
+                            f"SentencePiece-style 'llama')")
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if len(types) != len(tokens):
             raise UserError("GGUF tokenizer has token types for a different vocabulary size")
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", ())]
         self.tokens = tokens
-        self.pre_tokenizer = pre
         self.vocab_size = len(tokens)
-
-        splits, ignore_merges = _PRE_TOKENIZERS[pre]
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                         ignore_merges=ignore_merges)
-        hf = _HFTokenizer(bpe)
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True) if r == DIGITS
-             else pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        hf.decoder = decoders.ByteLevel()
-        # Control tokens (<|im_start|>…) must match whole in text, never be cut into bytes.
-        hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                               for t, k in zip(tokens, types, strict=True) if k == CONTROL])
-        hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                       for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
-        self._hf = hf
-
-        # Each token's bytes, by the ByteLevel decoder's own rule: spelled in the byte alphabet
-        # -> those bytes, otherwise the token's UTF-8 as is.
-        spelled = {c: b for b, c in _bytes_to_unicode().items()}
-        self.token_bytes: list[bytes] = [
-            bytes(spelled[c] for c in t) if set(t) <= spelled.keys() else t.encode()
-            for t in tokens
-        ]
+        if model == "llama":  # Gemma, Llama 2: pieces + scores, byte fallback (spm.py)
+            self.pre_tokenizer = "spm"
+            self._hf = spm.build(metadata, tokens, types)
+            self.token_bytes: list[bytes] = spm.token_bytes(tokens, types)
+        else:
+            self.pre_tokenizer = metadata.get("tokenizer.ggml.pre", "default")
+            self._hf, self.token_bytes = _byte_level_bpe(metadata, tokens, types,
+                                                         self.pre_tokenizer)
         self.special_ids = frozenset(i for i, k in enumerate(types) if k == CONTROL)
 
         self.bos_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
@@ -188,7 +191,8 @@ class Tokenizer:
         if self.eos_id is not None:
             stops.add(int(self.eos_id))
         self.stop_ids: frozenset[int] = frozenset(stops)
-        self.chat_template: str = metadata.get("tokenizer.chat_template") or CHATML_TEMPLATE
+        # None for a model without one (a base model): chat is refused, raw text still works
+        self.chat_template: str | None = metadata.get("tokenizer.chat_template") or None
 
     @classmethod
     def from_gguf(cls, source: str | os.PathLike | Any) -> Tokenizer:
@@ -208,8 +212,16 @@ class Tokenizer:
         return StreamDecoder(self.token_bytes)
 
     # --- chat ---------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the GGUF carried tokenizer.chat_template (a base model has none)."""
+        return self.chat_template is not None
+
     @cached_property
     def _template(self) -> tuple[jinja2.Template, set[str]]:
+        if self.chat_template is None:  # guessing a format (ChatML) would feed it foreign text
+            raise UserError("this model has no chat template (no tokenizer.chat_template in "
+                            "its GGUF): give it raw text to continue instead")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
@@ -258,7 +270,12 @@ class Tokenizer:
                     tools: Sequence[Mapping[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids of the rendered prompt (BOS prepended if the model asks and it is missing)."""
-        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return self.encode_prompt(
+            self.render_chat(messages, tools, add_generation_prompt, **template_kwargs))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt as the model reads it (a rendered chat, or raw text): BOS
+        prepended if the model asks and it is missing."""
         ids = self.encode(text)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, int(self.bos_id))

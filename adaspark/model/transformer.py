@@ -1,8 +1,16 @@
-"""The target model: llama / qwen2 / qwen3 blocks over a static KV cache, verifying trees.
+"""The target model: llama / qwen2 / qwen3 / gemma3 blocks over a static KV cache, verifying
+trees.
 
 Read it top to bottom: `Block` is one decoder layer, `Transformer._forward` runs the rows of a
 call through all layers, and the public verbs are prefill / verify / commit (plus two batched
-causal paths used to make drafter training data).
+causal paths used to make drafter training data). A block is composed from its architecture's
+parts (config.ARCHITECTURES): optional biases, QK-norm, post-norms, the gate's activation, a
+sliding window and its RoPE base; the forward runs whatever parts a layer has.
+
+Sliding-window layers (Gemma 3's local ones) keep the whole context in the cache like the others
+and mask by position: a row at position p sees keys at positions p-window+1 .. p (a tree row:
+its ancestors and the committed slots within that distance), and slots no row of the call can
+see are cut off the attention's keys.
 
 Layout choices:
 - RoPE rotates adjacent pairs (2i, 2i+1) of each head ("GPT-J" order). That is how llama GGUFs
@@ -53,6 +61,17 @@ class ForwardOut:
     hiddens: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, dim] float32
 
 
+@dataclass
+class _View:
+    """What one kind of layer (by attention window) attends to in a forward: cache slots
+    [lo, span) where mask allows, or in a reference verify the tree's (seen, seen_ok) and the
+    committed slots [lo, start) each row sees (prefix_ok; None: all)."""
+    lo: int
+    mask: torch.Tensor | None
+    tree: tuple[torch.Tensor, torch.Tensor] | None
+    prefix_ok: torch.Tensor | None
+
+
 # --- weights -----------------------------------------------------------------------------------
 
 def _pair_rope_rows(t: GGUFTensor, n_heads: int) -> GGUFTensor:
@@ -70,7 +89,7 @@ class Weights:
 
     def __init__(self, f: GGUFFile, config: ModelConfig, device: torch.device):
         self.f, self.config, self.device = f, config, device
-        self.pair_rows = config.arch != "llama"
+        self.pair_rows = config.traits.pair_rope_rows
 
     def raw(self, name: str, heads: int | None = None) -> GGUFTensor:
         if name not in self.f.tensors:
@@ -90,22 +109,37 @@ class Weights:
         return self.dense(name, heads) if name in self.f.tensors else None
 
 
-class Block:
-    """One decoder layer's weights."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, w: Weights, i: int, precision: str):
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
+class Block:
+    """One decoder layer's weights and parts: what its architecture has (None where not), its
+    attention window (0: global) and which RoPE table it rotates by."""
+
+    def __init__(self, w: Weights, i: int, precision: str, rope_index: int):
         c, dev = w.config, w.device
         p = f"blk.{i}."
+        self.window, self.rope = c.windows[i], rope_index
+        self.act = ACTIVATIONS[c.traits.ffn_act]
         self.attn_norm = w.dense(p + "attn_norm.weight")
         self.ffn_norm = w.dense(p + "ffn_norm.weight")
+        # Gemma: GGUF stores its norms as 1 + w already (convert_hf_to_gguf adds the 1)
+        post = c.traits.post_norms
+        self.post_attn_norm = w.dense(p + "post_attention_norm.weight") if post else None
+        self.post_ffn_norm = w.dense(p + "post_ffw_norm.weight") if post else None
         biases = [w.optional(p + "attn_q.bias", c.n_heads),
                   w.optional(p + "attn_k.bias", c.n_kv_heads), w.optional(p + "attn_v.bias")]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
         self.qkv = Linear([w.raw(p + "attn_q.weight", c.n_heads),
                            w.raw(p + "attn_k.weight", c.n_kv_heads),
                            w.raw(p + "attn_v.weight")], precision, dev, bias)
-        self.q_norm = w.optional(p + "attn_q_norm.weight", 1)  # qwen3, per head_dim
-        self.k_norm = w.optional(p + "attn_k_norm.weight", 1)
+        norm = w.dense if c.qk_norm else w.optional  # per head_dim, in rotary order
+        self.q_norm = norm(p + "attn_q_norm.weight", 1)
+        self.k_norm = norm(p + "attn_k_norm.weight", 1)
         self.o = Linear([w.raw(p + "attn_output.weight")], precision, dev)
         self.gate_up = Linear([w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")],
                               precision, dev)
@@ -145,7 +179,7 @@ def _pad_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked softmax attention in float32 over slots [0, S): prefill and the batched paths.
 
     q [B, H, n, hd]; k, v [B, KVH, S, hd]; mask [B, 1, n, S] bool. Query heads sharing a KV
@@ -154,7 +188,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kvh, s = k.shape[1], k.shape[2]
     q, rows = _pad_rows(q)
     mask = F.pad(mask, (0, 0, 0, rows - n), value=True)
-    scores = (q.reshape(b, kvh, -1, hd) @ k.transpose(-1, -2)) * hd**-0.5
+    scores = (q.reshape(b, kvh, -1, hd) @ k.transpose(-1, -2)) * scale
     scores = scores.view(b, kvh, h // kvh, rows, s).masked_fill(~mask.unsqueeze(1), -math.inf)
     probs = torch.softmax(scores, dim=-1).view(b, kvh, -1, s)
     return (probs @ v).view(b, h, rows, hd)[:, :, :n]
@@ -162,20 +196,21 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def exact_tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor,
                          k_rows: torch.Tensor, v_rows: torch.Tensor,
-                         seen: torch.Tensor, seen_ok: torch.Tensor) -> torch.Tensor:
+                         seen: torch.Tensor, seen_ok: torch.Tensor, scale: float,
+                         prefix_ok: torch.Tensor | None = None) -> torch.Tensor:
     """Verify attention in float32 whose every row is computed the same whatever other rows
     share the call: the tree part is summed term by term in ancestor order, so a chain's row
     adds the same numbers in the same order inside any tree (a masked matmul would put its
     ancestors in other vector lanes and round differently).
 
     q [B, H, n, hd]; committed K/V [B, KVH, L, hd]; the rows' own K/V [B, KVH, n, hd];
-    seen [n, D] the rows each row attends to, ascending (itself last), valid where seen_ok."""
+    seen [n, D] the rows each row attends to, ascending (itself last), valid where seen_ok;
+    prefix_ok [n, L] the committed slots each row sees (None: all: a sliding window masks some)."""
     b, h, n, hd = q.shape
     kvh, group = k_prefix.shape[1], h // k_prefix.shape[1]
     q, rows = _pad_rows(q)
     seen = F.pad(seen, (0, 0, 0, rows - n))
     seen_ok = F.pad(seen_ok, (0, 0, 0, rows - n), value=True)  # pad rows see row 0: no NaN
-    scale = hd**-0.5
     qg = q.view(b, kvh, group, rows, 1, hd)
     tree_scores = (qg * k_rows[:, :, None, seen]).sum(-1) * scale  # [B, KVH, G, rows, D]
     tree_scores = tree_scores.masked_fill(~seen_ok, -math.inf)
@@ -184,6 +219,9 @@ def exact_tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torc
     if prefix:
         prefix_scores = (q.view(b, kvh, group * rows, hd) @ k_prefix.transpose(-1, -2)) * scale
         prefix_scores = prefix_scores.view(b, kvh, group, rows, -1)
+        if prefix_ok is not None:  # pad rows see every slot: no NaN
+            prefix_ok = F.pad(prefix_ok, (0, 0, 0, rows - n), value=True)
+            prefix_scores = prefix_scores.masked_fill(~prefix_ok, -math.inf)
         top = torch.maximum(top, prefix_scores.amax(-1))
     weights = torch.exp(tree_scores - top[..., None])
     values = v_rows[:, :, None, seen]  # [B, KVH, 1, rows, D, hd]
@@ -225,14 +263,20 @@ class Transformer:
 
         self.tok_embeddings = torch.from_numpy(w.raw("token_embd.weight").dequantize()).to(
             self.device)  # float32 for both precisions: lookups are cheap, the drafter reads it
-        self.layers = [Block(w, i, precision) for i in range(c.n_layers)]
+        # RoPE (base, linear factor) per layer: Gemma's local layers have their own base
+        rope_keys = [(c.layer_rope_theta(i), 1.0 if c.windows[i] else c.rope_factor)
+                     for i in range(c.n_layers)]
+        rope_kinds = list(dict.fromkeys(rope_keys))
+        self.layers = [Block(w, i, precision, rope_kinds.index(rope_keys[i]))
+                       for i in range(c.n_layers)]
+        self.embed_scale = math.sqrt(c.dim) if c.traits.embed_scale else 1.0
         self.norm = w.dense("output_norm.weight")
         head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"  # tied
         self.output = Linear([w.raw(head)], precision, self.device)
         self.head_fp32 = self.tok_embeddings if head == "token_embd.weight" else None
 
         capacity = max_context or min(c.context_length, DEFAULT_MAX_CONTEXT)
-        self._rope_tables(w.optional("rope_freqs.weight"), capacity)
+        self._rope_tables(w.optional("rope_freqs.weight"), capacity, rope_kinds)
         self.native_isa: str | None = None
         self.native_module = None  # the build's module, when the native forward runs
         self.native, self.native_note = self._native_model(w, head)
@@ -253,37 +297,49 @@ class Transformer:
                   max_context: int | None = None, calibrate: bool = True) -> Transformer:
         return cls(read_gguf(path), precision, device, max_context, calibrate)
 
-    def _rope_tables(self, freq_factors: torch.Tensor | None, capacity: int) -> None:
+    def _rope_tables(self, freq_factors: torch.Tensor | None, capacity: int,
+                     kinds: list[tuple[float, float]]) -> None:
+        """cos/sin [capacity, hd/2] per (base, factor) in kinds; rope_cos/sin: the global one."""
         c = self.config
-        # HF's inv_freq expression, so reference cos/sin match transformers' float32 values
-        inv_freq = 1.0 / (c.rope_theta ** (
-            torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        if freq_factors is not None:  # llama-3 style long-context scaling, stored per frequency
-            inv_freq = inv_freq / freq_factors.cpu()
-        angles = torch.arange(capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.rope_cos = angles.cos().to(self.device)  # [capacity, hd/2]
-        self.rope_sin = angles.sin().to(self.device)
+        self.rope_tables = []
+        for theta, factor in kinds:
+            # HF's inv_freq expression, so reference cos/sin match transformers' float32 values
+            inv_freq = 1.0 / (theta ** (
+                torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+            if freq_factors is not None:  # llama-3 style long-context scaling, per frequency
+                inv_freq = inv_freq / freq_factors.cpu()
+            if factor != 1.0:  # linear scaling, as HF applies it
+                inv_freq = inv_freq / factor
+            angles = torch.arange(capacity, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            self.rope_tables.append((angles.cos().to(self.device), angles.sin().to(self.device)))
+        glob = (c.rope_theta, c.rope_factor)
+        self.rope_cos, self.rope_sin = self.rope_tables[kinds.index(glob) if glob in kinds else 0]
 
     def _native_model(self, w: Weights, head: str):
         """The whole forward as one native Model, where the build, the device and every weight's
         type allow; else None and why not."""
+        c = self.config
         if self.exact or self.device.type != "cpu":
             return None, ""
         module, why = native.load()
-        c = self.config
         names = [f"blk.{i}.{part}.weight" for i in range(c.n_layers)
                  for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                               "ffn_down")] + [head]
-        if module is None or not native.packable([w.raw(n) for n in names]):
-            return None, why or "weight types the native forward does not pack"
-        if c.head_dim not in (32, 64, 128) or c.dim % 16:  # attention's register blocking
-            return None, "the native forward needs head_dim 32, 64 or 128 and dim a multiple of 16"
+        if module is None:
+            return None, why
+        why = native.unpackable([w.raw(n) for n in names])
+        if why:
+            return None, why
+        if c.head_dim not in (32, 64, 128, 256) or c.dim % 16:  # attention's register blocking
+            return None, ("the native forward needs head_dim 32, 64, 128 or 256 and dim a "
+                          "multiple of 16")
         head_f32 = (self.tok_embeddings if head == "token_embd.weight"
                     else torch.from_numpy(w.raw(head).dequantize()))
         model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
                              self.rope_cos, self.rope_sin, self.tok_embeddings, self.norm,
                              native.pack(module, [w.raw(head)]), head_f32,
-                             native.error_scales(w.raw(head)), native.row_norms(head_f32))
+                             native.error_scales(w.raw(head)), native.row_norms(head_f32),
+                             self.embed_scale, c.attn_scale)
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
@@ -297,9 +353,21 @@ class Transformer:
                                      w.raw(p + "attn_v.weight")]),
                 native.pack(module, [w.raw(p + "attn_output.weight")]),
                 native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
-                native.pack(module, [w.raw(p + "ffn_down.weight")]))
+                native.pack(module, [w.raw(p + "ffn_down.weight")]),
+                **self._native_parts(layer))
         self.native_isa, self.native_module = module.ISA, module
         return model, ""
+
+    def _native_parts(self, layer: Block) -> dict:
+        """A layer's parts beyond llama's, as the native Model.add_layer takes them: the
+        native block runs what these say, so an architecture made of known parts needs no
+        native change."""
+        empty = torch.empty(0)
+        cos, sin = self.rope_tables[layer.rope]
+        return {"post_attn_norm": empty if layer.post_attn_norm is None else layer.post_attn_norm,
+                "post_ffn_norm": empty if layer.post_ffn_norm is None else layer.post_ffn_norm,
+                "act": self.config.traits.ffn_act, "window": layer.window,
+                "rope_cos": cos, "rope_sin": sin}
 
     def _kernel_table(self, f: GGUFFile, calibrate: bool) -> KernelTable:
         if self.exact or self.device.type != "cpu":
@@ -331,49 +399,95 @@ class Transformer:
         c, exact, act = self.config, self.exact, self.act_dtype
         b, n = tokens.shape
         taps = set(tap_layers)
-        rot = rotation(self.rope_cos[positions].unsqueeze(-2),  # [B, n, 1, hd/2]
-                       self.rope_sin[positions].unsqueeze(-2), exact)
-        q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        rots = [rotation(cos[positions].unsqueeze(-2),  # [B, n, 1, hd/2]
+                         sin[positions].unsqueeze(-2), exact) for cos, sin in self.rope_tables]
+        views = {w: self._view(w, positions, slots, mask, span, tree)
+                 for w in {layer.window for layer in self.layers}}
         x = self.tok_embeddings[tokens].view(b * n, c.dim)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         hiddens = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.norm_eps, exact).to(act)
-            qkv = layer.qkv(h, kernel).view(b, n, -1)
-            qk = qkv[..., :q_width + kv_width].float().unflatten(-1, (-1, c.head_dim))
-            if layer.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[..., :c.n_heads, :], layer.q_norm, c.norm_eps, exact),
-                                rms_norm(qk[..., c.n_heads:, :], layer.k_norm, c.norm_eps, exact)],
-                               dim=-2)
-            qk = rope(qk, rot, exact).transpose(1, 2)  # [B, H+KVH, n, hd]
-            q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
-            v = qkv[..., q_width + kv_width:].float().unflatten(-1, (c.n_kv_heads, -1))
-            v = v.transpose(1, 2)
-            if isinstance(slots, int):
-                cache.write(i, slots, k, v)
-            else:
-                rows = torch.arange(b, device=slots.device)
-                cache.k[i, rows, :, slots] = k[:, :, 0]
-                cache.v[i, rows, :, slots] = v[:, :, 0]
-            keys, values = cache.k[i, :, :, :span], cache.v[i, :, :, :span]
-            if keys.dtype != q.dtype:  # an fp16 cache made for the native forward
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if tree is not None:
-                start = span - n
-                attn = exact_tree_attention(q, keys[:, :, :start], values[:, :, :start], k, v,
-                                            *tree)
-            elif exact:
-                attn = exact_attention(q, keys, values, mask)
-            else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                      enable_gqa=True)
-            attn = attn.transpose(1, 2).reshape(b * n, q_width).to(act)
-            x += layer.o(attn, kernel)  # bf16 output added into the float32 stream
+            attn = self._attention(i, layer, h, cache, slots, span, rots[layer.rope],
+                                   views[layer.window], kernel, (b, n))
+            out = layer.o(attn, kernel)
+            if layer.post_attn_norm is not None:
+                out = rms_norm(out.float(), layer.post_attn_norm, c.norm_eps, exact)
+            x += out  # a bf16 output added into the float32 stream
             h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact).to(act)
             gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)
-            x += layer.down(F.silu(gate) * up, kernel)
+            out = layer.down(layer.act(gate) * up, kernel)
+            if layer.post_ffn_norm is not None:
+                out = rms_norm(out.float(), layer.post_ffn_norm, c.norm_eps, exact)
+            x += out
             if i in taps:
                 hiddens[i] = x.view(b, n, c.dim).clone()
         return rms_norm(x, self.norm, c.norm_eps, exact).view(b, n, c.dim), hiddens
+
+    def _view(self, window: int, positions: torch.Tensor, slots: int | torch.Tensor,
+              mask: torch.Tensor | None, span: int, tree) -> _View:
+        """What layers with this window attend to: slots [lo, span) under a mask (or, in a
+        reference verify, the tree rows and committed slots each row sees)."""
+        if not window:
+            return _View(0, mask, tree, None)
+        # key positions of slots [0, span): committed slots sit at their own position, the
+        # call's rows (from slot `slots` on) at theirs; per-sequence slots are positions too
+        if isinstance(slots, int):
+            key_pos = torch.cat([torch.arange(slots, device=self.device), positions[0]])
+        else:
+            key_pos = torch.arange(span, device=self.device)
+        first = positions.min() - window + 1  # the earliest position any row sees
+        lo = int(torch.cumprod((key_pos < first).to(torch.int32), 0).sum())
+        if tree is not None:  # rows see tree rows and committed slots within the window
+            seen, seen_ok = tree
+            rows = positions[0]
+            seen_ok = seen_ok & (rows[:, None] - rows[seen] < window)
+            lo = min(lo, int(slots))
+            committed = torch.arange(lo, int(slots), device=self.device)
+            return _View(lo, None, (seen, seen_ok), rows[:, None] - committed[None, :] < window)
+        if lo == 0 and int(positions.max()) - int(key_pos.min()) < window:
+            return _View(0, mask, None, None)  # the window hides nothing here
+        near = (positions[:, None, :, None] - key_pos[lo:][None, None, None, :]) < window
+        return _View(lo, near if mask is None else mask[..., lo:] & near, None, None)
+
+    def _attention(self, i: int, layer: Block, h: torch.Tensor, cache: KVCache,
+                   slots: int | torch.Tensor, span: int, rot, view: _View, kernel: str,
+                   shape: tuple[int, int]) -> torch.Tensor:
+        """Layer i's attention over rows h [B*n, dim] (before the output projection): q, k, v;
+        QK-norm and RoPE; this call's K/V into the cache; attention over the view's slots."""
+        c, exact = self.config, self.exact
+        b, n = shape
+        q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        qkv = layer.qkv(h, kernel).view(b, n, -1)
+        qk = qkv[..., :q_width + kv_width].float().unflatten(-1, (-1, c.head_dim))
+        if layer.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[..., :c.n_heads, :], layer.q_norm, c.norm_eps, exact),
+                            rms_norm(qk[..., c.n_heads:, :], layer.k_norm, c.norm_eps, exact)],
+                           dim=-2)
+        qk = rope(qk, rot, exact).transpose(1, 2)  # [B, H+KVH, n, hd]
+        q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
+        v = qkv[..., q_width + kv_width:].float().unflatten(-1, (c.n_kv_heads, -1))
+        v = v.transpose(1, 2)
+        if isinstance(slots, int):
+            cache.write(i, slots, k, v)
+        else:
+            rows = torch.arange(b, device=slots.device)
+            cache.k[i, rows, :, slots] = k[:, :, 0]
+            cache.v[i, rows, :, slots] = v[:, :, 0]
+        keys, values = cache.k[i, :, :, view.lo:span], cache.v[i, :, :, view.lo:span]
+        if keys.dtype != q.dtype:  # an fp16 cache made for the native forward
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if view.tree is not None:
+            start = span - n - view.lo
+            attn = exact_tree_attention(q, keys[:, :, :start], values[:, :, :start], k, v,
+                                        *view.tree, c.attn_scale, view.prefix_ok)
+        elif exact:
+            attn = exact_attention(q, keys, values, view.mask, c.attn_scale)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=view.mask,
+                                                  enable_gqa=True, scale=c.attn_scale)
+        return attn.transpose(1, 2).reshape(b * n, q_width).to(self.act_dtype)
 
     @torch.no_grad()
     def _head(self, rows: torch.Tensor, kernel: str, return_logits: bool) -> ForwardOut:
@@ -496,19 +610,24 @@ class Transformer:
             self.cache = own
 
     def verify_many(self, caches: Sequence[KVCache], rows: Sequence[tuple], *,
-                    return_logits: bool = False) -> ForwardOut:
+                    tap_layers: Iterable[int] = (), return_logits: bool = False) -> ForwardOut:
         """verify() for several sequences at once: rows[s] = (tokens, depths, ancestor_mask) at
-        the end of caches[s]. The output rows follow in sequence order, each bit-identical to
-        its sequence's verify alone: the native forward runs them in one call (its rows do not
-        depend on their neighbours), any other forward one sequence after another."""
-        if self.native is None or len(caches) == 1:
+        the end of caches[s]. The output rows (and each tap layer's hiddens) follow in sequence
+        order, each bit-identical to its sequence's verify alone: the native forward runs them
+        in one call, with the native head (its rows do not depend on their neighbours), where
+        each sequence's verify alone would run native; else one sequence after another."""
+        taps = sorted(set(tap_layers))
+        alone_native = all(self.kernels.choose(len(r[0])).startswith("native") for r in rows)
+        if self.native is None or len(caches) == 1 or not alone_native:
             outs = []
             for cache, (tokens, depths, mask) in zip(caches, rows, strict=True):
                 with self.using(cache):
-                    outs.append(self.verify(tokens, depths, mask, return_logits=return_logits))
+                    outs.append(self.verify(tokens, depths, mask, taps,
+                                            return_logits=return_logits))
             logits = [o.logits for o in outs] if return_logits else None
             return ForwardOut(torch.cat([o.argmax for o in outs]),
-                              None if logits is None else torch.cat(logits))
+                              None if logits is None else torch.cat(logits),
+                              {i: torch.cat([o.hiddens[i] for o in outs]) for i in taps})
         for cache, (tokens, _, _) in zip(caches, rows, strict=True):
             cache.check_room(len(tokens))
         tokens = [int(t) for r in rows for t in r[0]]
@@ -516,10 +635,12 @@ class Transformer:
                                for c, r in zip(caches, rows, strict=True)])
         anc = torch.block_diag(*[torch.as_tensor(np.asarray(r[2]), dtype=torch.bool)
                                  for r in rows])
-        x, _ = self.native.forward_batch([c.k for c in caches], [c.v for c in caches],
-                                         [c.length for c in caches], [len(r[0]) for r in rows],
-                                         self._tokens(tokens), positions, anc, [])
-        return self._head(x, self.kernels.choose(len(tokens)), return_logits)
+        x, hiddens = self.native.forward_batch(
+            [c.k for c in caches], [c.v for c in caches], [c.length for c in caches],
+            [len(r[0]) for r in rows], self._tokens(tokens), positions, anc, taps)
+        out = self._head(x, "native", return_logits)  # what each verify alone runs
+        out.hiddens = dict(zip(taps, hiddens, strict=True))
+        return out
 
     # --- batched causal paths (drafter training data) --------------------------------------------
 

@@ -23,17 +23,25 @@ noticed; until both modes have a rate in a bucket (BandRate's warm-up) it altern
     gate.restart()                                forget the rates: the widths changed (paced)
     gate.fixed_ms                                 D of an undrafted round (planning alone), for
                                                   the chooser's price of its widths
+    gate.learn_tree(bucket, q)                    a drafted tree's Q in its best-first order
+    gate.drafted_curve(bucket) -> array | None    the decayed mean of those trees' S(k) (index
+                                                  0 is 0.0): the tree a draft is expected to
+                                                  make, which the batch prices before drafting
+                                                  (budget.draft_pays); not stored
     gate.state_dict() / load_state_dict(state)    JSON-able, exact round trip; rates stored in
                                                   another unit are not loaded (the gate warms)
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from adaspark.errors import UserError
 from adaspark.scheduler.chooser import BandRate
 
 EXPLORE = 16  # rounds of a bucket in the faster mode before one round of the other
 FIXED_DECAY = 0.9  # the undrafted D's moving average (it is the plan alone: stable)
+TREE_DECAY = 0.9  # the drafted curve's: a bucket's recent trees (the text drifts)
 NO_PROPOSAL = -1  # the bucket of a round whose anchor has no n-gram proposal
 UNITS = ("ms", "step")  # of round times: milliseconds, or plain steps at the round's context
 
@@ -48,6 +56,7 @@ class DraftGate:
         self.rates: dict[int, tuple[BandRate, BandRate]] = {}  # bucket -> (undrafted, drafted)
         self.streak: dict[int, int] = {}  # bucket -> rounds in a row of its faster mode
         self.fixed_ms: float | None = None
+        self.curves: dict[int | None, tuple[float, np.ndarray]] = {}  # bucket -> (weight, sum)
 
     def _pair(self, bucket: int) -> tuple[BandRate, BandRate]:
         if bucket not in self.rates:
@@ -85,6 +94,21 @@ class DraftGate:
         f = float(fixed_ms)
         self.fixed_ms = f if self.fixed_ms is None else (
             FIXED_DECAY * self.fixed_ms + (1.0 - FIXED_DECAY) * f)
+
+    def learn_tree(self, bucket: int | None, q) -> None:
+        """A drafted tree's Q in its best-first order (its candidates that can be accepted)
+        into the bucket's decayed mean S(k); a shorter tree holds its last S beyond its end."""
+        s = np.concatenate([[0.0], np.cumsum(np.asarray(q, dtype=np.float64).reshape(-1))])
+        weight, total = self.curves.get(bucket, (0.0, np.zeros(1)))
+        n = max(s.size, total.size)
+        total, s = (np.pad(x, (0, n - x.size), mode="edge") for x in (total, s))
+        self.curves[bucket] = (TREE_DECAY * weight + 1.0, TREE_DECAY * total + s)
+
+    def drafted_curve(self, bucket: int | None) -> np.ndarray | None:
+        if bucket not in self.curves:
+            return None
+        weight, total = self.curves[bucket]
+        return total / weight
 
     # ----- persistence -------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -12,8 +12,8 @@
     store.save(sched.state_dict())
 
 `draft()` returns the drafter's tree.Block after the anchor; plan_round calls it only in a round
-it decides to draft (not for `ar`, a plain round, or a gated n-gram round), so this module never
-touches the drafter. Everything a round decided travels in its Plan (the gate's bucket
+it decides to draft (not for `ar` or `ngram`, a plain round, or a gated n-gram round), so this
+module never touches the drafter. Everything a round decided travels in its Plan (the gate's bucket
 included), so learn() needs no state left behind by planning.
 
 `Arm` selects the paper's arms with switches on one scheduler (see `Arm.parse`). Every decision
@@ -30,7 +30,9 @@ the gains like any round.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+from copy import copy
 from dataclasses import dataclass, field, replace
 from time import perf_counter
 
@@ -39,6 +41,7 @@ import numpy as np
 from adaspark.errors import UserError
 from adaspark.scheduler.acceptance import AcceptanceModel, Scored
 from adaspark.scheduler.bands import context_band
+from adaspark.scheduler.budget import StepPrice, draft_pays
 from adaspark.scheduler.chooser import Chooser
 from adaspark.scheduler.cost import MEASUREMENTS, CostModel, QuantileLaw
 from adaspark.scheduler.gate import NO_PROPOSAL, DraftGate
@@ -86,26 +89,40 @@ class Arm:
     # width only where this round's tree says it could pay, within the request's PROBE_BUDGET.
     # `gate` switches it on with the gate; `ladder` measures the paper's whole ladder instead.
     paced: bool = False
+    # Every tree comes from the n-gram index alone and the drafter never runs (`ngram`: the
+    # arm for a model without a drafter); a round verifies that tree or one plain row.
+    ngram_only: bool = False
 
-    BASES = ("ar", "chain3", "chain", "tree:N", "cost", "adaspark", "adaspark:N")
+    BASES = ("ar", "chain3", "chain", "tree:N", "cost", "adaspark", "adaspark:N", "ngram",
+             "ngram:N")
     MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate", "classes",
                  "ladder")
+    # what `ngram` takes: the others switch the drafter's part of a round, which it has not
+    NGRAM_MODIFIERS = ("head", "ratio", "no-hysteresis", "classes")
+
+    @property
+    def needs_drafter(self) -> bool:
+        """The arm runs a drafter's forward in some rounds (not `ar`, not `ngram`)."""
+        return self.draft and not self.ngram_only
 
     @classmethod
     def parse(cls, text: str | Arm) -> Arm:
-        """`ar`, `chain3`, `chain`, `tree:N`, `cost`, `adaspark`, `adaspark:N`, optionally with
-        modifiers after commas or plus signs (`adaspark,gate` == `adaspark+gate`: the bench
-        spells arms with `+` because its arm list is comma-separated): head, no-ngram, ratio,
-        no-hysteresis, plain, gate (with the paced cold start), classes, ladder (the paper's
-        whole ladder of probes under the gate). The name keeps the comma spelling."""
+        """`ar`, `chain3`, `chain`, `tree:N`, `cost`, `adaspark`, `adaspark:N`, `ngram`,
+        `ngram:N`, optionally with modifiers after commas or plus signs (`adaspark,gate` ==
+        `adaspark+gate`: the bench spells arms with `+` because its arm list is
+        comma-separated): head, no-ngram, ratio, no-hysteresis, plain, gate (with the paced
+        cold start), classes, ladder (the paper's whole ladder of probes under the gate);
+        `ngram` takes head, ratio, no-hysteresis and classes. The name keeps the comma
+        spelling."""
         if isinstance(text, Arm):
             return text
         base, *mods = [part.strip() for part in str(text).replace("+", ",").split(",")]
         name, _, width = base.partition(":")
         pinned = None
         if width:
-            if name not in ("tree", "adaspark"):
-                raise UserError(f"arm {base!r}: only tree:N and adaspark:N take a width")
+            if name not in ("tree", "adaspark", "ngram"):
+                raise UserError(f"arm {base!r}: only tree:N, adaspark:N and ngram:N take a "
+                                "width")
             try:
                 pinned = int(width)
             except ValueError:
@@ -124,6 +141,13 @@ class Arm:
             arm = cls(name=base, fitted=False, ngram=False)
         elif name == "adaspark":
             arm = cls(name=base, pinned=pinned)
+        elif name == "ngram":
+            # paced: the plain step first, then widths measured only where a tree could pay
+            arm = cls(name=base, pinned=pinned, ngram_only=True, paced=True)
+            wrong = [m for m in mods if m in cls.MODIFIERS and m not in cls.NGRAM_MODIFIERS]
+            if wrong:
+                raise UserError(f"arm {text!r}: ngram has no drafter for modifier "
+                                f"{wrong[0]!r}; its modifiers: {', '.join(cls.NGRAM_MODIFIERS)}")
         else:
             raise UserError(f"unknown arm {base!r}; arms: {', '.join(cls.BASES)}")
         switches = {"head": {"fitted": False}, "no-ngram": {"ngram": False},
@@ -194,6 +218,25 @@ class Outcome:
 Draft = Callable[[], Block]  # the drafter's block after the anchor, made on demand
 
 
+@dataclass
+class RequestState:
+    """What one request's rounds carry from round to round (Scheduler.begin_request makes it);
+    everything else the scheduler holds is learned across requests and shared by all of them."""
+
+    index: NgramIndex | None  # the request's own text (None: the arm has no n-gram index)
+    anchor: int | None  # the last committed token, the next round's row 0; None once ended
+    temperature: float = 0.0  # its sampling temperature (a feature of the acceptance model)
+    rounds: int = 0  # rounds of this request
+    plain_run: int = 0  # plain rounds in a row
+    decode_ms: float = 0.0  # its round time so far (the paced arm's budget)
+    probe_loss_ms: float = 0.0  # its probe rounds' time beyond plain steps' for their tokens
+    # the acceptance model's per-request parts: (b_req, head_offset, request_stats)
+    acceptance: tuple = ()
+    # the chooser's scores from this request's last plan, which learn()'s split test reads
+    # (another request may have planned in between)
+    chooser_round: dict | None = field(default=None, repr=False)
+
+
 class Scheduler:
     """One per engine: the cost model, acceptance model and chooser; an n-gram index per request.
     """
@@ -205,13 +248,8 @@ class Scheduler:
         self.chooser = Chooser(pinned=self.arm.pinned, ratio_rule=self.arm.ratio_rule,
                                hysteresis=self.arm.hysteresis)
         self.plain_law = QuantileLaw()  # the 1-row step, for plain rounds (width 1 is no class)
-        self.index: NgramIndex | None = None
-        self._anchor: int | None = None  # the last committed token; None between requests
-        self.temperature = 0.0  # the request's sampling temperature (acceptance feature)
-        self._round = 0  # rounds of this request
-        self._plain_run = 0  # plain rounds in a row
-        self._decode_ms = 0.0  # this request's round time so far (the paced arm's budget)
-        self._probe_loss_ms = 0.0  # its probe rounds' time beyond plain steps' for their tokens
+        # the request a plan or learn is for: begin_request's, or the one handed to them
+        self.request: RequestState | None = None
         # paced, the gate counts round time in plain steps (_gate_time)
         self.gate = DraftGate(unit="step" if self.arm.paced else "ms")
         # host seconds per part of the round, summed (benchmarks/scheduler_overhead.py)
@@ -230,29 +268,57 @@ class Scheduler:
         return 0.0 if self.part_times is None else perf_counter()
 
     # ----- request -----------------------------------------------------------------------
-    def begin_request(self, committed_tokens: Sequence[int], temperature: float = 0.0) -> None:
+    def begin_request(self, committed_tokens: Sequence[int], temperature: float = 0.0
+                      ) -> RequestState:
         """A new request whose committed text so far is `committed_tokens` (its last token is
         the first round's anchor); temperature: its sampling temperature (0: greedy), a feature
-        of the acceptance model."""
+        of the acceptance model. Returns its state, which becomes the current request: hand it
+        to plan_round/learn/end_request to run several requests on this one scheduler."""
         tokens = np.asarray(committed_tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise ValueError("a request needs at least one committed token (the anchor)")
-        self.index = NgramIndex(tokens) if self.arm.ngram else None
-        self._anchor = int(tokens[-1])
-        self.temperature = float(temperature)
-        self.acceptance.begin_request()
-        self._round = 0
-        self._plain_run = 0
-        self._decode_ms = self._probe_loss_ms = 0.0
+        acc = self.acceptance
+        # fresh per-request parts of the acceptance model, so another request's stay as they are
+        acc.b_req, acc.head_offset = copy(acc.b_req), copy(acc.head_offset)
+        acc.begin_request()
+        self.request = RequestState(
+            index=NgramIndex(tokens) if self.arm.ngram else None, anchor=int(tokens[-1]),
+            temperature=float(temperature),
+            acceptance=(acc.b_req, acc.head_offset, acc.request_stats))
+        return self.request
 
-    def end_request(self) -> int:
+    def end_request(self, request: RequestState | None = None) -> int:
         """The end-of-request refit of the cost laws; returns how many refits were adopted."""
-        self.index, self._anchor = None, None
+        request = self.request if request is None else request
+        if request is not None:
+            request.index, request.anchor = None, None
+        if request is self.request:
+            self.request = None
         return self.cost.end_request() + int(self.plain_law.dirty and self.plain_law.refit())
+
+    def _use(self, request: RequestState | None) -> RequestState:
+        """Make `request` (None: the current one) the request this call plans or learns for."""
+        if request is not None and request is not self.request:
+            self.request = request
+            acc = self.acceptance
+            acc.b_req, acc.head_offset, acc.request_stats = request.acceptance
+        if self.request is None or self.request.anchor is None:
+            raise ValueError("call begin_request() before planning a round")
+        return self.request
+
+    @property
+    def index(self) -> NgramIndex | None:
+        """The current request's n-gram index (None: no request, or the arm has none)."""
+        return None if self.request is None else self.request.index
+
+    @property
+    def temperature(self) -> float:
+        return 0.0 if self.request is None else self.request.temperature
 
     # ----- planning ----------------------------------------------------------------------
     def plan_round(self, context_length: int, draft: Draft, stop_ids: Sequence[int] = (),
-                   room: int | None = None) -> Plan:
+                   room: int | None = None, request: RequestState | None = None,
+                   step: StepPrice | None = None) -> Plan:
         """Algorithm 1, lines 3-12: this round's rows to verify.
 
         context_length: the committed tokens, the anchor included; draft: called at most once,
@@ -269,37 +335,118 @@ class Scheduler:
         measures a width only the drafter can fill). Under the paced cold start (`gate`, not
         `ladder`) the gate decides from the second round on, probes pending or not: plain
         rounds until the plain step is measured, then a drafted round only where a measured
-        width or an affordable probe can verify it (see _width)."""
-        if self._anchor is None:
-            raise ValueError("call begin_request() before planning a round")
+        width or an affordable probe can verify it (see _width). Arm `ngram` never drafts
+        (draft is never called): see _ngram_round.
+
+        step: the batch's step beside other requests (None: alone, as above). From its second
+        round on, a round that would draft drafts only where the tree a draft is expected to
+        make pays at the step's marginal price and rate, its draft's time counted
+        (_draft_pays_in); otherwise it offers the n-gram tree at the anchor (or one row)."""
+        req = self._use(request)
         ctx = int(context_length)
         bucket = None
         if not self.arm.draft:
             plan = self._plain(ctx)
-        elif self.arm.paced and self._round > 0 and self.plain_law.samples < MEASUREMENTS:
+        elif self.arm.ngram_only:
+            plan = self._ngram_round(ctx, stop_ids)
+        elif self.arm.paced and req.rounds > 0 and self.plain_law.samples < MEASUREMENTS:
             plan = self._plain(ctx)  # paced: first the step every width has to beat
-        elif self.arm.gate and self._round > 0 and (self.arm.paced or self.cost.probe() is None):
+        elif self.arm.gate and req.rounds > 0 and (self.arm.paced or self.cost.probe() is None):
             tree = self._ngram_tree(stop_ids)
             # node 0 is the first proposal after the anchor (chains() starts there)
             bucket = evidence_of_bucket(int(tree.bucket[0])) if tree.n_nodes else NO_PROPOSAL
-            drafts = self.gate.choose(bucket) and (not self.arm.paced
-                                                   or self._can_verify_a_draft(ctx))
+            drafts = (self.gate.choose(bucket)
+                      and (not self.arm.paced or self._can_verify_a_draft(ctx))
+                      and self._draft_pays_in(step, bucket, tree, ctx))
             plan = self._drafted(draft(), ctx, stop_ids) if drafts else self._undrafted(tree, ctx)
         elif self._plain_pays(ctx):
             plan = self._plain(ctx)
+        elif step is not None and req.rounds > 0 and not self._draft_pays_in(
+                step, None, tree := self._ngram_tree(stop_ids), ctx):
+            plan = self._undrafted(tree, ctx)
         else:
             plan = self._drafted(draft(), ctx, stop_ids)
+        if plan.drafted and plan._ranking is not None:  # the tree a draft makes, per bucket
+            ranking = plan._ranking
+            self.gate.learn_tree(bucket, ranking.Q[ranking.order[: ranking.n_useful]])
         if room is not None and plan.rows > room:  # the context cannot hold it: one row fits
             plan = self._plain(ctx)
         plan.gate_bucket = bucket
+        req.chooser_round = self.chooser._round
         return plan
+
+    # ----- under load: the shared row budget (budget.py) ----------------------------------
+    @staticmethod
+    def candidates(plan: Plan) -> np.ndarray | None:
+        """The Q of the plan's candidates in its best-first order, which budget.allocate may
+        cut to any prefix (a prefix is a tree); None when its rows are not such a prefix (an
+        exploration swap, a chain)."""
+        if plan.layout is None:
+            return np.zeros(0)
+        kept = plan._ranking.order[: plan.rows - 1]
+        if not np.array_equal(np.sort(kept), np.sort(plan.layout.nodes[1:])):
+            return None
+        return plan._ranking.Q[kept]
+
+    def cut(self, plan: Plan, keep: int, request: RequestState | None = None) -> Plan:
+        """`plan` with its first `keep` candidates only (the shared row budget's allocation);
+        0 is the plain row. Its width becomes its rows, as the chooser learns a round."""
+        if plan.layout is None or keep >= plan.rows - 1:
+            return plan
+        self._use(request)
+        if keep <= 0:
+            cut = self._plain(plan.context_length)
+        else:
+            ranking = plan._ranking
+            kept = ranking.order[:keep]
+            lay = layout(plan.tree, kept, anchor_token=self.request.anchor)
+            cut = replace(plan, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
+                          mask=lay.mask, width_chosen=keep + 1, layout=lay,
+                          predicted_S=float(ranking.Q[kept].sum()), predicted_T_s=None)
+        cut.gate_bucket = plan.gate_bucket
+        return cut
+
+    def step_price(self, rows: int, context: float) -> float:
+        """The price (ms) of one verify call of `rows` rows at `context`: the plain step for
+        one row, else the cheapest measured class that holds them; past the measured classes
+        the least they may cost (cost.optimistic_price, the paced probes' test), so a step
+        that could pay there verifies those rows and a call of a class's top rows measures it
+        (learn_shared_verify); inf where nothing is measured to extrapolate from."""
+        plain_ms = self.plain_law.predict(context)
+        if rows == 1:
+            return math.inf if plain_ms is None else plain_ms
+        try:
+            return self.cost.price(rows, context)
+        except ValueError:  # nothing measured holds that many rows
+            price = self.cost.optimistic_price(rows, context, plain_ms)
+            return math.inf if price is None else price
+
+    def _draft_pays_in(self, step: StepPrice | None, bucket: int | None, tree: CandidateTree,
+                       ctx: int) -> bool:
+        """Beside others (`step`): the bucket's expected drafted tree (gate.drafted_curve) at
+        the step's marginal price, less the draft's own time (the drafted D over the undrafted
+        one) at the step's rate, beats this anchor's n-gram tree, which costs no draft
+        (budget.draft_pays): the shared budget prices both so after the plans. Alone, or while
+        the bucket has no drafted tree yet (a draft teaches it): True."""
+        curve = None if step is None else self.gate.drafted_curve(bucket)
+        if curve is None:
+            return True
+        undrafted = np.zeros(1)
+        if tree.n_nodes:
+            scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                           temperature=self.temperature)
+            ranking = rank(tree, scored.q)
+            undrafted = np.concatenate([[0.0], np.cumsum(ranking.Q[ranking.order[
+                : ranking.n_useful]])])
+        draft_ms = (self.cost.fixed_cost(ctx) or 0.0) - (self.gate.fixed_ms or 0.0)
+        return draft_pays(curve, undrafted, draft_ms, step)
 
     def _can_verify_a_draft(self, ctx: int) -> bool:
         """Paced: a width is measured, or the budget still allows the narrowest probe."""
         return bool(self.cost.offers(ctx)) or self._probe_budget_left()
 
     def _probe_budget_left(self) -> bool:
-        return self._probe_loss_ms <= PROBE_BUDGET * self._decode_ms
+        return self.request.probe_loss_ms <= PROBE_BUDGET * self.request.decode_ms
 
     def _probe_pays(self, probe: int, ranking: Ranking, ctx: int) -> bool:
         """Paced: measure `probe` this round only if nothing is measured yet, or the budget
@@ -320,19 +467,19 @@ class Scheduler:
 
     def _plain_pays(self, ctx: int) -> bool:
         """Modifier `plain`: a plain step's rate beats the band's speculative rate."""
-        if not self.arm.plain_rounds or self._round == 0 or self.cost.probe() is not None:
+        if not self.arm.plain_rounds or self.request.rounds == 0 or self.cost.probe() is not None:
             return False
         if self.plain_law.samples < MEASUREMENTS:
             return True  # the 1-row step is first measured like any width (3 rounds)
         band = self.chooser.rates.get(context_band(ctx))
         rate = None if band is None else band.rate
-        if rate is None or self._plain_run >= PLAIN_RECHECK:
+        if rate is None or self.request.plain_run >= PLAIN_RECHECK:
             return False
         return rate < 1.0 / self.plain_law.predict(ctx)
 
     def _plain(self, ctx: int) -> Plan:
         """The 1-row round: the anchor alone, its argmax is the one committed token."""
-        tokens = np.array([self._anchor], dtype=np.int64)
+        tokens = np.array([self.request.anchor], dtype=np.int64)
         zero = np.zeros(1, dtype=np.int64)
         predicted = self.plain_law.predict(ctx)
         return Plan(ctx, tokens, zero, np.full(1, -1, dtype=np.int64),
@@ -341,10 +488,85 @@ class Scheduler:
                     drafted=False)
 
     def _ngram_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
-        tree = CandidateTree.undrafted(self._anchor, stop_ids)
+        tree = CandidateTree.undrafted(self.request.anchor, stop_ids)
         if self.index is not None:
             self.index.chains(tree)
         return tree
+
+    def _ngram_round(self, ctx: int, stop_ids: Sequence[int]) -> Plan:
+        """Arm `ngram`: the n-gram index's tree at the anchor, priced by the acceptance model
+        and sized by the chooser (Eq. 7) among the measured widths and a plain step; one row
+        until that step is measured, when the index proposes nothing worth a row, or when the
+        step pays more. A width is measured (a probe) only in a round whose tree fills it and
+        could pay there at its optimistic price, within the request's PROBE_BUDGET: the same
+        paced cold start as the default arm, without the drafter that fills its probes."""
+        if self.plain_law.samples < MEASUREMENTS:
+            return self._plain(ctx)  # first the step every width has to beat
+        tree = self._ngram_tree(stop_ids)
+        if tree.n_nodes == 0:
+            return self._plain(ctx)
+        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                       temperature=self.temperature)
+        ranking = rank(tree, scored.q)
+        if ranking.n_useful == 0:
+            return self._plain(ctx)
+        plain_ms = self.plain_law.predict(ctx)
+        offers = [(1, plain_ms), *self._covering(self.cost.offers(ctx), ranking.n_useful + 1)]
+        probe = self._ngram_probe(ranking, offers, ctx, plain_ms)
+        s_drafter, s_ngram = ranking.S_drafter.tolist(), ranking.S_ngram.tolist()
+        price_ms = None
+        if probe is not None:
+            width, chosen_by = probe, ChosenBy.PROBE
+        else:  # choose() returns ngram:N's pinned width (the simulator's sweep) as it is
+            width = self.chooser.choose(offers, s_drafter, s_ngram, self.gate.fixed_ms, ctx)
+            chosen_by = ChosenBy.CHOOSER if self.arm.pinned is None else ChosenBy.PINNED
+            price_ms = dict(offers).get(width) or self._price(width, ctx)
+        if width == 1:
+            return self._plain(ctx)
+        kept = ranking.order[: min(width - 1, ranking.n_useful)]
+        lay = layout(tree, kept, anchor_token=self.request.anchor)
+        return Plan(
+            context_length=ctx, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
+            mask=lay.mask, width_chosen=int(width), chosen_by=chosen_by,
+            width_offered=[w for w, _ in offers] if probe is None else [],
+            predicted_S=float(ranking.Q[kept].sum()),
+            predicted_T_s=None if price_ms is None else price_ms / 1000.0,
+            fitted_prices=scored.fitted_prices, drafted=False,
+            tree=tree, layout=lay, _scored=scored, _ranking=ranking,
+        )
+
+    @staticmethod
+    def _covering(offers: list[tuple[int, float]], rows: int) -> list[tuple[int, float]]:
+        """The offers up to the narrowest that holds `rows`: a wider one verifies the same
+        tree (an n-gram chain is often shorter than the widths) at a higher price."""
+        kept = []
+        for width, price in offers:
+            kept.append((width, price))
+            if width >= rows:
+                break
+        return kept
+
+    def _ngram_probe(self, ranking: Ranking, offers: list[tuple[int, float]], ctx: int,
+                     plain_ms: float) -> int | None:
+        """Arm `ngram`: the width to measure this round, or None. The narrowest unmeasured
+        class the tree fills (an n-gram tree narrower than the width would not measure it),
+        not in a request's first round (it runs cold and teaches no cost), while the budget
+        lasts and only where the chooser's score puts it first at its optimistic price: the
+        least it may cost (cost.py), at least a plain step where nothing below is measured."""
+        if (self.arm.pinned is not None or self.request.rounds == 0
+                or not self._probe_budget_left()):
+            return None
+        rows = ranking.n_useful + 1
+        probe = next((k.top for k in self.cost.classes if not k.measured and k.top <= rows),
+                     None)
+        if probe is None:
+            return None
+        price = self.cost.optimistic_price(probe, ctx, plain_ms)
+        trial = sorted([*((w, p) for w, p in offers if w != probe),
+                        (probe, plain_ms if price is None else max(price, plain_ms))])
+        width, _ = self.chooser.best(trial, ranking.S_drafter.tolist(), ranking.S_ngram.tolist(),
+                                     self.gate.fixed_ms, ctx)
+        return probe if width == probe else None
 
     def _undrafted(self, tree: CandidateTree, ctx: int) -> Plan:
         """A gated round without the drafter: the n-gram index's tree at the anchor priced and
@@ -367,7 +589,7 @@ class Scheduler:
         if width == 1:
             return self._plain(ctx)
         kept = ranking.order[: min(width - 1, ranking.n_useful)]
-        lay = layout(tree, kept, anchor_token=self._anchor)
+        lay = layout(tree, kept, anchor_token=self.request.anchor)
         return Plan(
             context_length=ctx, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
             mask=lay.mask, width_chosen=int(width), chosen_by=ChosenBy.UNDRAFTED,
@@ -379,7 +601,7 @@ class Scheduler:
     def _drafted(self, block: Block, ctx: int, stop_ids: Sequence[int]) -> Plan:
         """Lines 3-12 on the drafter's block: candidates, q, best-first order, width, rows."""
         t = self._start()
-        tree = CandidateTree.from_block(block, self._anchor, stop_ids)
+        tree = CandidateTree.from_block(block, self.request.anchor, stop_ids)
         t = self._lap("candidates", t)
         if self.index is not None:
             self.index.chains(tree)
@@ -404,7 +626,7 @@ class Scheduler:
             swapped = exploration_swap(tree, kept, ranking.Q, self.acceptance.bucket_labels)
             explored = not np.array_equal(swapped, kept)
             kept = swapped
-        lay = layout(tree, kept, anchor_token=self._anchor)
+        lay = layout(tree, kept, anchor_token=self.request.anchor)
         if price_ms is None and chosen_by is not ChosenBy.PROBE:
             price_ms = self._price(width, ctx)
         self._lap("layout", t)
@@ -464,17 +686,22 @@ class Scheduler:
                        acc.labelled_parents, acc.parent_targets)
 
     # ----- learning ----------------------------------------------------------------------
-    def learn(self, outcome: Outcome, times: RoundTimes, last_round: bool = False
-              ) -> RoundRecord:
+    def learn(self, outcome: Outcome, times: RoundTimes, last_round: bool = False,
+              request: RequestState | None = None, cost: bool = True) -> RoundRecord:
         """Algorithm 1, lines 15-18; returns the round's record (record.py).
 
         times: the round's measured D (drafter forward and plan), verify and commit. The first
         round of a request teaches the cost model, the rate and the gains nothing (it runs
         cold); the last round of a reply teaches no acceptance, gain or rate (the reply's end
-        cuts it short)."""
+        cuts it short). request: whose round (None: the current one); cost=False: the verify
+        was shared with other requests' rows, so its time is not this plan's width's price
+        (the caller teaches it at the call's total rows: learn_shared_verify), nor the gate's
+        rate of a request alone (beside others the step's rate decides: _draft_pays_in)."""
+        req = self._use(request)
+        self.chooser._round = req.chooser_round  # the split test scores this request's round
         plan = outcome.plan
         ctx = plan.context_length
-        first = self._round == 0
+        first = req.rounds == 0
         self.width_rounds[plan.rows] = self.width_rounds.get(plan.rows, 0) + 1
         verify_ms, fixed_ms = 1000.0 * times.verify_s, 1000.0 * times.fixed_s
         round_ms = fixed_ms + verify_ms + 1000.0 * times.commit_s
@@ -488,25 +715,46 @@ class Scheduler:
             explored=plan.explored, fitted_prices=plan.fitted_prices,
             ngram_widened=plan.ngram_widened)
         if plan.tree is None:
-            self._plain_run += 1
-            if not first:
+            self.request.plain_run += 1
+            if not first and cost:
                 self.plain_law.learn(ctx, verify_ms)
+            if self.arm.ngram_only:  # most of its rounds: the long-run rate Eq. 7 prices with
+                self.chooser.learn(1, ctx, 0, round_ms, [], [0.0], [0.0], [0.0], [0.0],
+                                   teach=not first and not last_round)
         else:
-            self._plain_run = 0
-            self._learn_tree_round(outcome, record, first, last_round, times)
+            self.request.plain_run = 0
+            self._learn_tree_round(outcome, record, first, last_round, times, cost)
+            if self.arm.ngram_only and not first:
+                self.gate.learn_fixed(fixed_ms)  # D of a round planned without a drafter
         if plan.gate_bucket is not None and not first:
             if not plan.drafted:
                 self.gate.learn_fixed(fixed_ms)
-            if not last_round:
+            if not last_round and cost:  # beside others, the step's rate decides (budget.py)
                 self.gate.learn(plan.gate_bucket, plan.drafted, len(outcome.tokens) + 1,
                                 self._gate_time(ctx, round_ms))
         if self.index is not None:
             t = self._start()
             self.index.extend(outcome.committed)
             self._lap("ngram extend", t)
-        self._anchor = int(outcome.bonus)
-        self._round += 1
+        self.request.anchor = int(outcome.bonus)
+        self.request.rounds += 1
         return record
+
+    def learn_shared_verify(self, rows: int, context: float, verify_ms: float,
+                            teach: bool = True) -> None:
+        """One verify call over several requests' rows (continuous batching): its time is the
+        price of its total rows, at the rows' mean context (docs/batching.md). One row is the
+        plain step; otherwise it teaches the class whose top is `rows` (a class is priced at
+        its top), and no other: the chooser's widths stay a single request's."""
+        if not teach:
+            return
+        if rows == 1:
+            self.plain_law.learn(context, verify_ms)
+        else:
+            widest = self._widest_measured()
+            self.cost.observe(rows, rows, context, verify_ms, 0.0, drafted=False)
+            if self.arm.paced and self._widest_measured() != widest:
+                self.gate.restart()
 
     def _widest_measured(self) -> int:
         return max((k.top for k in self.cost.classes if k.measured), default=0)
@@ -522,12 +770,13 @@ class Scheduler:
     def _charge(self, plan: Plan, round_ms: float, tokens: int) -> None:
         """The paced budget's books: every round's time, and what a probe round lost against
         plain steps making the same tokens (negative where the probe paid)."""
-        self._decode_ms += round_ms
+        self.request.decode_ms += round_ms
         if self.arm.paced and plan.chosen_by is ChosenBy.PROBE and self.plain_law.samples:
-            self._probe_loss_ms += round_ms - tokens * self.plain_law.predict(plan.context_length)
+            plain_ms = self.plain_law.predict(plan.context_length)
+            self.request.probe_loss_ms += round_ms - tokens * plain_ms
 
     def _learn_tree_round(self, outcome: Outcome, record: RoundRecord, first: bool, last: bool,
-                          times: RoundTimes) -> None:
+                          times: RoundTimes, cost: bool = True) -> None:
         plan, tree, ranking = outcome.plan, outcome.plan.tree, outcome.plan._ranking
         ctx = plan.context_length
         verify_ms, fixed_ms = 1000.0 * times.verify_s, 1000.0 * times.fixed_s
@@ -549,7 +798,7 @@ class Scheduler:
         # A reply's last round may end inside the tree: it says nothing of the drafter's reach.
         widest = self._widest_measured()
         self.cost.observe(plan.width_chosen, plan.rows, ctx, verify_ms, fixed_ms,
-                          teach=not first, drafted=plan.drafted,
+                          teach=not first and cost, drafted=plan.drafted,
                           tree_rows=None if last else tree.n_nodes + 1)
         if self.arm.paced and self._widest_measured() != widest:
             # Paced, the gate runs while widths are still being measured: its rates compare

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: /v1/chat/completions (SSE or not), /v1/models, /health.
+"""The OpenAI-compatible routes: /v1/chat/completions and /v1/completions (SSE or not),
+/v1/models, /health.
 
 Requests are parsed and tokenised on the event loop's side; generation runs on the engine's own
 thread (see worker.py), several plain-decoding requests at once in one batch (`parallel`), the rest
@@ -9,7 +10,9 @@ run to max_tokens or to the end of the context, whichever comes first (finish_re
 Every response, streamed or not, carries `usage` and the engine's `timings` for the request (of
 its first choice when n > 1). A sampled response also carries `adaspark: {"seed": S}`: choice i
 used seed S + i, so any reply can be reproduced. Logprobs, when asked for, come whole in each
-choice's last chunk when streaming.
+choice's last chunk when streaming. /v1/completions continues raw text (or token ids) without
+the chat template, through the same queue and sampling; a model without a chat template serves
+only that route (its chat answers 400).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from adaspark.errors import UserError
+from adaspark.model.tokenizer import StreamDecoder
 from adaspark.server.auth import ApiKey, ApiKeyMiddleware, is_open
 from adaspark.server.errors import (
     BodyLimitMiddleware,
@@ -39,13 +43,22 @@ from adaspark.server.errors import (
     internal_error,
     validation_message,
 )
-from adaspark.server.schemas import ChatRequest, Message, RequestError, openapi_body
+from adaspark.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Message,
+    RequestError,
+    openapi_body,
+)
 from adaspark.server.toolcalls import may_be_tool_call, parse_tool_calls
 from adaspark.server.watch import Watch, watch_routes
 from adaspark.server.worker import Cancelled, EngineWorker, Job, QueueFull
 
 MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context; guards memory only
 RETRY_AFTER_S = 1  # what a refused client is told to wait: about a few replies' decode time
+NO_TEMPLATE = ("this model has no chat template (no tokenizer.chat_template in its GGUF), so it "
+               "cannot chat: send the text to continue to /v1/completions")
 
 
 class Unavailable(Exception):
@@ -63,6 +76,17 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             entry["role"] = "system"
         out.append(entry)
     return out
+
+
+def parse_request(model: type[GenerationRequest], body: bytes) -> Any:
+    """The body as `model`, checked; a RequestError (400) names the bad field."""
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as err:
+        message, param = validation_message(err.errors())
+        raise RequestError(message, param) from None
+    req.check_supported()
+    return req
 
 
 def _usage(prompt_tokens: int, results: list[Any]) -> dict[str, int]:
@@ -125,33 +149,46 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
     @app.post("/v1/chat/completions", openapi_extra={"requestBody": openapi_body(ChatRequest)},
               responses=error_responses(400, 413, 429, 500, 503))
     async def chat_completions(request: Request):
-        body = await request.body()  # BodyLimitMiddleware holds it to MAX_BODY_BYTES
-        try:
-            req = ChatRequest.model_validate_json(body)
-        except ValidationError as err:
-            message, param = validation_message(err.errors())
-            return error_response(400, message, param)
-        req.check_supported()
+        # BodyLimitMiddleware holds the body to MAX_BODY_BYTES
+        req = parse_request(ChatRequest, await request.body())
         engine = ready_engine()
-        tools = req.active_tools()
+        if engine.tokenizer.chat_template is None:
+            raise RequestError(NO_TEMPLATE, param="messages", code="no_chat_template")
         try:
             prompt_ids = await asyncio.to_thread(
-                engine.tokenizer.encode_chat, template_messages(req.messages), tools
+                engine.tokenizer.encode_chat, template_messages(req.messages), req.active_tools()
             )
         except UserError as err:  # e.g. a role order the chat template refuses
             raise RequestError(str(err), param="messages") from None
+        sampling = req.sampling()
+        reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls(), sampling.seed,
+                      engine.tokenizer.token_bytes)
+        return await serve(request, engine, req, prompt_ids, reply, sampling, "messages")
+
+    @app.post("/v1/completions",
+              openapi_extra={"requestBody": openapi_body(CompletionRequest)},
+              responses=error_responses(400, 413, 429, 500, 503))
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await request.body())
+        engine = ready_engine()
+        prompt_ids, text = await asyncio.to_thread(req.prompt_ids, engine.tokenizer)
+        sampling = req.sampling()
+        reply = TextReply(model_id, len(prompt_ids), sampling.seed, engine.tokenizer.token_bytes,
+                          echo=text if req.echo else "")
+        return await serve(request, engine, req, prompt_ids, reply, sampling, "prompt")
+
+    async def serve(request: Request, engine: Any, req: GenerationRequest,
+                    prompt_ids: list[int], reply: Reply, sampling: Any, param: str) -> Any:
+        """A checked request's jobs (its n choices) queued; its reply streamed or whole."""
         room = engine.context_length - len(prompt_ids)
         if room < 1:
             raise RequestError(
                 f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
                 f"{engine.context_length}, including the reply",
-                param="messages",
+                param=param,
                 code="context_length_exceeded",
             )
         cap = req.token_cap()
-        sampling = req.sampling()
-        reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls(), sampling.seed,
-                      engine.tokenizer.token_bytes)
         cancel = threading.Event()  # one client: leaving cancels every choice
         jobs = [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
                     cancel=cancel, sampling=choice_sampling(sampling, i))
@@ -204,11 +241,14 @@ def choice_sampling(sampling: Any, index: int) -> Any:
 
 
 class Reply:
-    """What every response about one request shares: its id, model and how to finish it."""
+    """What every response about one chat request shares: its id, model, and the shape of
+    its choices, whole or streamed (TextReply: a text completion's)."""
+
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def __init__(self, model_id: str, prompt_tokens: int, tools_active: bool,
                  seed: int | None = None, token_bytes: list[bytes] | None = None):
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_id
         self.prompt_tokens = prompt_tokens
@@ -221,7 +261,7 @@ class Reply:
         return {} if self.seed is None else {"adaspark": {"seed": self.seed}}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
@@ -246,6 +286,66 @@ class Reply:
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": text}, result.finish_reason
 
+    def choice(self, index: int, result: Any) -> dict[str, Any]:
+        """A finished choice of the whole (not streamed) response."""
+        message, finish_reason = self.finish(result.text, result)
+        return {"index": index, "message": message, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(result)}
+
+    def delta(self, index: int, content: str, first: bool) -> dict[str, Any]:
+        """A streamed choice's chunk of text."""
+        body = {"role": "assistant", "content": content} if first else {"content": content}
+        return {"index": index, "delta": body, "finish_reason": None, "logprobs": None}
+
+    def last(self, index: int, final: dict[str, Any], finish_reason: str,
+             result: Any) -> dict[str, Any]:
+        """A streamed choice's final chunk: `final` (tool calls, or nothing) and why it ended."""
+        return {"index": index, "delta": final, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(result)}
+
+
+class TextReply(Reply):
+    """A text completion's response (/v1/completions): choices carry `text`; `echo`, the
+    prompt's text when asked for, comes before each choice's reply."""
+
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model_id: str, prompt_tokens: int, seed: int | None,
+                 token_bytes: list[bytes], echo: str = ""):
+        super().__init__(model_id, prompt_tokens, False, seed, token_bytes)
+        self.echo = echo
+
+    def logprobs(self, result: Any) -> dict[str, Any] | None:
+        """The legacy completions logprobs: tokens, their logprobs, the top alternatives of
+        each (token text -> logprob) and where each token's text starts in the choice's text."""
+        if getattr(result, "logprobs", None) is None:
+            return None
+        def spell(tid: int) -> str:
+            return self.token_bytes[tid].decode("utf-8", errors="replace")
+
+        entries, decoder, offsets, at = result.logprobs, StreamDecoder(self.token_bytes), [], 0
+        for entry in entries:  # a character split across tokens starts where it is whole
+            offsets.append(at)
+            at += len(decoder.push(entry["id"]))
+        return {"tokens": [spell(e["id"]) for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{spell(i): v for i, v in e["top"]} for e in entries],
+                "text_offset": offsets}
+
+    def choice(self, index: int, result: Any) -> dict[str, Any]:
+        return {"index": index, "text": self.echo + result.text,
+                "finish_reason": result.finish_reason, "logprobs": self.logprobs(result)}
+
+    def delta(self, index: int, content: str, first: bool) -> dict[str, Any]:
+        return {"index": index, "text": (self.echo if first else "") + content,
+                "finish_reason": None, "logprobs": None}
+
+    def last(self, index: int, final: dict[str, Any], finish_reason: str,
+             result: Any) -> dict[str, Any]:
+        return {"index": index, "text": "", "finish_reason": finish_reason,
+                "logprobs": self.logprobs(result)}
+
 
 async def _complete(request: Request, worker: EngineWorker, jobs: list[Job],
                     reply: Reply) -> Any:
@@ -267,17 +367,12 @@ async def _complete(request: Request, worker: EngineWorker, jobs: list[Job],
         return busy_response()
     finally:
         watcher.cancel()
-    choices = []
-    for index, result in enumerate(results):
-        message, finish_reason = reply.finish(result.text, result)
-        choices.append({"index": index, "message": message, "finish_reason": finish_reason,
-                        "logprobs": reply.logprobs(result)})
     return JSONResponse({
         "id": reply.id,
-        "object": "chat.completion",
+        "object": reply.object,
         "created": reply.created,
         "model": reply.model,
-        "choices": choices,
+        "choices": [reply.choice(index, result) for index, result in enumerate(results)],
         "usage": _usage(reply.prompt_tokens, results),
         "timings": results[0].timings.as_dict(),
         **reply.extra,
@@ -332,10 +427,9 @@ async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, 
 
     def delta(content: str) -> str:
         nonlocal first
-        body = {"role": "assistant", "content": content} if first else {"content": content}
+        choice = reply.delta(index, content, first)
         first = False
-        return reply.chunk([{"index": index, "delta": body, "finish_reason": None,
-                             "logprobs": None}])
+        return reply.chunk([choice])
 
     while (piece := await pieces.get()) is not _DONE:
         if not piece:
@@ -366,6 +460,5 @@ async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, 
         final, finish_reason = {}, result.finish_reason
     results.append(result)
     usage, timings = _usage(reply.prompt_tokens, results), results[0].timings.as_dict()
-    yield reply.chunk([{"index": index, "delta": final, "finish_reason": finish_reason,
-                        "logprobs": reply.logprobs(result)}],
+    yield reply.chunk([reply.last(index, final, finish_reason, result)],
                       **({"usage": usage, "timings": timings, **reply.extra} if last else {}))

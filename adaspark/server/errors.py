@@ -154,8 +154,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
-            message = ("no such route: see /v1/chat/completions, /v1/models, /health, /metrics, "
-                       "/dashboard")
+            message = ("no such route: see /v1/chat/completions, /v1/completions, /v1/models, "
+                       "/health, /metrics, /dashboard")
         return error_response(exc.status_code, message)
 
     @app.exception_handler(ClientDisconnect)

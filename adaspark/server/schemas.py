@@ -1,4 +1,4 @@
-"""The request body of `/v1/chat/completions`, validated with pydantic.
+"""The request bodies of `/v1/chat/completions` and `/v1/completions`, validated with pydantic.
 
 Only what the engine can honour is accepted; anything else is refused with a 400 that names the
 field, rather than silently ignored, because it would change the reply the client expects.
@@ -9,10 +9,10 @@ choices (n seeded samples, choice i with seed + i, run one after another).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from adaspark.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -134,26 +134,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _stop_schema(props: dict[str, Any]) -> None:
+    nonempty = {"type": "string", "minLength": 1}
+    props["stop"]["anyOf"][:2] = [nonempty, {"type": "array", "items": nonempty}]
+
+
 def _request_schema(schema: dict[str, Any]) -> None:
     """The JSON schema says what check_supported refuses (pydantic sees only the types), so a
     client or a fuzzer that follows it is not refused."""
     props = schema["properties"]
-    nonempty = {"type": "string", "minLength": 1}
-    props["stop"]["anyOf"][:2] = [nonempty, {"type": "array", "items": nonempty}]
+    _stop_schema(props)
     props["tool_choice"]["anyOf"] = [{"enum": ["auto", "none"]}, {"type": "null"}]
     props["response_format"]["anyOf"] = [
         {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
          "additionalProperties": False}, {"type": "null"}]
 
 
-class ChatRequest(BaseModel):
+class GenerationRequest(BaseModel):
+    """What chat and text completions share: the reply's cap, stops, streaming, sampling."""
+
     # Unknown fields (user, metadata, ...) do not change the reply: ignored.
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_request_schema)
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -164,15 +168,61 @@ class ChatRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+
+    def _refusals(self) -> list[tuple[bool, str, str]]:
+        """(refused, param, why) for what this kind of request cannot have."""
+        return []
+
+    def _top_logprobs(self) -> int | None:
+        """None: no logprobs asked for; else how many alternatives per token."""
+        return None
+
+    def check_supported(self) -> None:
+        """Refuse, with a RequestError, whatever the engine cannot honour."""
+        for refused, param, message in self._refusals():
+            if refused:
+                raise RequestError(message, param=param)
+        for stop in self.stop_strings():
+            if not stop:
+                raise RequestError("stop strings must not be empty", param="stop")
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling, with a seed drawn when sampling without one (returned to the
+        client so that the reply can be reproduced)."""
+        top = self._top_logprobs()
+        params = SamplingParams(
+            temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, seed=self.seed,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0, logprobs=top is not None,
+            top_logprobs=top or 0).check()
+        return params.with_seed() if params.temperature > 0 else params
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def token_cap(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(GenerationRequest):
+    model_config = ConfigDict(json_schema_extra=_request_schema)
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = Field(default=None, strict=True)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        """Refuse, with a RequestError, whatever the engine cannot honour."""
-        refusals = [
+    def _refusals(self) -> list[tuple[bool, str, str]]:
+        return [
             (bool(self.top_logprobs) and not self.logprobs, "top_logprobs",
              "top_logprobs needs logprobs: true"),
             (self.response_format not in (None, {"type": "text"}), "response_format",
@@ -180,12 +230,9 @@ class ChatRequest(BaseModel):
             (self.tool_choice not in (None, "auto", "none"), "tool_choice",
              "tool_choice must be 'auto' or 'none': a tool call cannot be forced"),
         ]
-        for refused, param, message in refusals:
-            if refused:
-                raise RequestError(message, param=param)
-        for stop in self.stop_strings():
-            if not stop:
-                raise RequestError("stop strings must not be empty", param="stop")
+
+    def check_supported(self) -> None:
+        super().check_supported()
         for i, message in enumerate(self.messages):
             for call in message.tool_calls or ():
                 try:
@@ -196,21 +243,8 @@ class ChatRequest(BaseModel):
                         param=f"messages.{i}.tool_calls",
                     ) from None
 
-    def sampling(self) -> SamplingParams:
-        """The request's sampling, with a seed drawn when sampling without one (returned to the
-        client so that the reply can be reproduced)."""
-        params = SamplingParams(
-            temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, seed=self.seed,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            presence_penalty=self.presence_penalty or 0.0, logprobs=bool(self.logprobs),
-            top_logprobs=self.top_logprobs or 0).check()
-        return params.with_seed() if params.temperature > 0 else params
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def _top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_cap(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
@@ -222,5 +256,76 @@ class ChatRequest(BaseModel):
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+
+TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
+
+
+def _completion_schema(schema: dict[str, Any]) -> None:
+    """As _request_schema: the document leaves out the prompts that check_supported refuses
+    (empty, or more than one)."""
+    props = schema["properties"]
+    _stop_schema(props)
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    props["prompt"] = {"anyOf": [
+        {"type": "string", "minLength": 1}, ids,
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+         "maxItems": 1},
+        {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}],
+        "title": "Prompt", "description": "text to continue (no chat template), or its "
+        "token ids; a list holds one prompt"}
+
+
+class CompletionRequest(GenerationRequest):
+    """`/v1/completions`: text (or token ids) continued as they are, no chat template.
+    max_tokens defaults to 16, as OpenAI and vLLM have it; logprobs is the legacy integer (how
+    many alternatives per token)."""
+
+    model_config = ConfigDict(json_schema_extra=_completion_schema)
+
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: Any) -> Any:
+        """One message for a prompt of no accepted shape (pydantic's names its first try)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise pydantic_core.PydanticCustomError(
+                "prompt_type", "must be a string, a list of token ids (integers >= 0), or a "
+                "list holding one of either") from None
+
+    def _refusals(self) -> list[tuple[bool, str, str]]:
+        many = isinstance(self.prompt, list) and len(self.prompt) > 1 and \
+            not isinstance(self.prompt[0], int)
+        return [
+            (many, "prompt", "one prompt per request: send each prompt as its own request"),
+            (not self.prompt or self.prompt in ([""], [[]]), "prompt", "the prompt is empty"),
+            (self.suffix is not None, "suffix", "suffix (insertion) is not supported"),
+            (self.best_of not in (None, 1), "best_of",
+             "best_of is not supported: ask for n choices instead"),
+            (self.echo and self.logprobs is not None, "logprobs",
+             "logprobs with echo would need the prompt's logprobs, which are not computed"),
+        ]
+
+    def _top_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_ids(self, tokenizer: Any) -> tuple[list[int], str]:
+        """The prompt's token ids and its text: a string tokenised raw (the model's BOS
+        added if it asks for one), ids taken as they are, checked against the vocabulary."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a list of one prompt (check_supported refused more)
+        if isinstance(prompt, str):
+            return tokenizer.encode_prompt(prompt), prompt
+        bad = next((t for t in prompt if t >= tokenizer.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary "
+                               f"(0-{tokenizer.vocab_size - 1})", param="prompt")
+        return list(prompt), tokenizer.decode(prompt)

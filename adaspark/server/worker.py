@@ -1,13 +1,12 @@
 """The one thread that owns the engine: loads it, then runs the requests, several at once.
 
 Every request is a Job queued in arrival order; the engine (its KV caches, its learned store) is
-only ever touched from the engine thread. For plain decoding (`ar`) the thread runs the engine's
-Batch (batch.py): between two steps, queued jobs join the running batch while fewer than
-`parallel` run, so each step verifies one row of every running request in one forward. The
-speculative arms run one request at a time, start to end (their drafter and scheduler state is
-per engine, not yet per request). Past `parallel` running, jobs wait in the queue (the metrics'
-waiting gauge); past `queue_limit` waiting, submit() refuses them (QueueFull: the server's
-429).
+only ever touched from the engine thread, which runs the engine's Batch (batch.py) for every arm:
+between two steps, queued jobs join the running batch while fewer than `parallel` run, so each
+step verifies every running request's rows (one row for `ar`, or its round's tree: each drafting
+request drafts on its own slot's drafter first) in one forward. Past `parallel` running, jobs
+wait in the queue (the metrics' waiting gauge); past `queue_limit` waiting, submit() refuses
+them (QueueFull: the server's 429).
 
 Cancellation is a flag: a running request sees it at its next step (its slot is free from that
 step on); a queued one is dropped without touching the engine. A request that fails fails alone.
@@ -98,7 +97,6 @@ class EngineWorker:
         self._queue: deque[tuple[Job, Future]] = deque()
         # id(Decode) -> (the Decode, its job, its future): admitted, not yet settled
         self._running: dict[int, tuple[Any, Job, Future]] = {}
-        self._lone: tuple[Job, Future] | None = None  # a speculative request, run whole
         self._wake = threading.Condition()
         self._closed = False
         # called on the engine thread after each job: (job, result), or (job, None) when the
@@ -119,7 +117,7 @@ class EngineWorker:
 
     @property
     def running(self) -> int:
-        return len(self._running) + int(self._lone is not None)
+        return len(self._running)
 
     @property
     def full(self) -> bool:
@@ -152,12 +150,7 @@ class EngineWorker:
             log.error("model failed to load: %s", self.load_error)
             self._drop_queue()
             return
-        if engine.speculator is not None:  # its drafter and scheduler serve one request
-            if self.parallel not in (None, 1):
-                log.info("arm %s runs one request at a time: --parallel batches plain "
-                         "decoding (ar) only", engine.speculator.arm)
-            self.parallel = 1
-        elif self.parallel is None:
+        if self.parallel is None:
             self.parallel = default_parallel(slot_bytes(engine), memory=available_memory())
         if self.queue_limit is None:
             self.queue_limit = 8 * self.parallel
@@ -168,8 +161,7 @@ class EngineWorker:
         self._drop_queue()
 
     def _serve_once(self) -> bool:
-        """Admit what may start, then one step (or one whole speculative request); False once
-        closed and nothing runs."""
+        """Admit what may start, then one step; False once closed and nothing runs."""
         batch = self.engine.batch
         with self._wake:
             while not self._closed and not self._queue and not batch.running:
@@ -178,9 +170,6 @@ class EngineWorker:
         if closed and not batch.running:
             return False
         try:
-            if self.engine.speculator is not None:
-                self._run_whole()
-                return True
             if not closed:
                 self._admit(batch)
             for seq in batch.step():  # after close(): the cancelled requests end here
@@ -231,22 +220,6 @@ class EngineWorker:
         else:
             self._settle(job, future, self.engine.result(seq))
 
-    def _run_whole(self) -> None:
-        item = self._next_job()
-        if item is None:
-            return
-        job, future = self._lone = item
-        try:
-            result = self.engine.generate(
-                job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop, on_text=job.on_text,
-                should_stop=job.cancel.is_set, request_id=job.request_id, sampling=job.sampling)
-        except Exception as err:
-            self._lone = None
-            self._settle(job, future, None, err)
-            return
-        self._lone = None
-        self._settle(job, future, result)
-
     def _settle(self, job: Job, future: Future, result: Any,
                 error: BaseException | None = None) -> None:
         """Observers first (the metrics count a request before its client hears of it)."""
@@ -269,8 +242,7 @@ class EngineWorker:
         """Stop the running requests at their next step and drop the queued ones."""
         with self._wake:
             self._closed = True
-            # copies first: the engine thread may change both meanwhile
-            admitted, lone = list(self._running.values()), self._lone
-            for job in [*(job for _, job, _ in admitted), *([lone[0]] if lone else [])]:
+            # a copy first: the engine thread may change it meanwhile
+            for _, job, _ in list(self._running.values()):
                 job.cancel.set()
             self._wake.notify()

@@ -15,6 +15,7 @@ Times are machine times: the simulator adds interference on top (`adaspark.sim.p
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -39,6 +40,25 @@ class CostCurve:
         if not 1 <= rows <= MAX_ROWS:
             raise UserError(f"curve {self.name}: no verify time for {rows} rows (1..{MAX_ROWS})")
         return (self.base_ms[rows] + self.slope_ms_per_token[rows] * context) / 1000.0
+
+    def step_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float:
+        """Machine time (seconds) of one verify call over several requests' rows (a batched
+        step): the weights' part at the step's total rows, each request's attention at its own
+        rows and context. Past MAX_ROWS total rows the weights' part rises at the last
+        measured rise per row (the curves measure one request's tree, at most MAX_ROWS)."""
+        if len(rows) != len(contexts) or not rows or min(rows) < 1 or max(rows) > MAX_ROWS:
+            raise UserError(f"curve {self.name}: a step needs 1..{MAX_ROWS} rows per request")
+        attention = sum(self.slope_ms_per_token[r] * c for r, c in zip(rows, contexts,
+                                                                        strict=True))
+        return (self.base_step_ms(sum(rows)) + attention) / 1000.0
+
+    def base_step_ms(self, total_rows: int) -> float:
+        """The weights' part (ms) of a verify call of `total_rows` rows, any number >= 1."""
+        if total_rows <= MAX_ROWS:
+            return float(self.base_ms[total_rows])
+        half = MAX_ROWS // 2
+        per_row = (self.base_ms[MAX_ROWS] - self.base_ms[half]) / (MAX_ROWS - half)
+        return float(self.base_ms[MAX_ROWS] + per_row * (total_rows - MAX_ROWS))
 
     @property
     def fixed_s(self) -> float:

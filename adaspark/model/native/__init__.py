@@ -20,11 +20,12 @@ from gguf import GGMLQuantizationType
 
 from adaspark import cpuinfo
 from adaspark.model.gguf import GGUFTensor
+from adaspark.model.native import blocks
 from adaspark.model.native.paths import BUILD_DIR, PREFERENCE, module_name, source_hash
 
 Q = GGMLQuantizationType
 GROUP = 32
-PACKABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+PACKABLE = (*blocks.INTEGER, *blocks.DENSE)
 # what each build was compiled for (paths.ISA_FLAGS), as /proc/cpuinfo names it
 _CPU_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
               "avxvnni": {"avx2", "fma", "f16c", "avx_vnni"},
@@ -72,33 +73,10 @@ def load() -> tuple[ModuleType | None, str]:
     return None, "; ".join(reasons) or "no build runs on this CPU"
 
 
-# --- repacking GGUF blocks into value = d*u + m, u unsigned ---------------------------------------
+# --- repacking GGUF blocks into value = d*u + m, u unsigned (blocks.py), or dense floats --------
 
-def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
-    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-
-
-Blocks = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # bits, u [N, nb, 32], d, m [N, nb]
-
-
-def unsigned_blocks(t: GGUFTensor) -> Blocks:
-    """(bits, u uint8 [N, nb, 32] in element order, d [N, nb], m [N, nb]) with each element's
-    value d*u + m exactly as the GGUF block defines it."""
-    n, k = t.shape
-    if t.qtype in (Q.Q4_0, Q.Q4_1):
-        size = 18 if t.qtype == Q.Q4_0 else 20
-        b = t.data.reshape(n, k // GROUP, size)
-        qs = b[..., size - 16:]
-        u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # byte j: element j and j+16
-        d = _fp16(b, 0)
-        m = _fp16(b, 2) if t.qtype == Q.Q4_1 else -8 * d
-        return 4, u, d, m
-    if t.qtype == Q.Q8_0:
-        b = t.data.reshape(n, k // GROUP, 34)
-        u = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        d = _fp16(b, 0)
-        return 8, u, d, -128 * d
-    raise ValueError(f"{t.qtype.name} cannot be packed for the native forward")
+Blocks = blocks.Blocks  # bits, u [N, nb, 32], d, m [N, nb] or [N, nb, 2]
+unsigned_blocks = blocks.unsigned_blocks
 
 
 def quantize_q8_0(w: torch.Tensor) -> Blocks:
@@ -115,45 +93,151 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
 
 
 def pack(module: ModuleType, tensors: Sequence[GGUFTensor]):
-    """One QWeight for GGUF tensors fused along their outputs (q|k|v, gate|up)."""
-    return pack_blocks(module, [unsigned_blocks(t) for t in tensors])
+    """One QWeight for GGUF tensors fused along their outputs (q|k|v, gate|up), each in its own
+    type (a part)."""
+    return module.QWeight([_part(module, t) for t in tensors])
 
 
 def pack_blocks(module: ModuleType, parts: Sequence[Blocks]):
-    """One QWeight for weights in unsigned-block form fused along their outputs, in kernels.h's
-    layout: groups of 16 outputs, per block 8 chunks of 4 inputs x 16 outputs."""
-    if len({p[0] for p in parts}) > 1:  # one packing per weight: widen 4-bit parts to 8 bits
-        parts = [(8, *p[1:]) for p in parts]
-    bits = parts[0][0]
-    u, d, m = (np.concatenate([p[i] for p in parts], axis=0) for i in (1, 2, 3))
+    """One QWeight for weights in unsigned-block form fused along their outputs."""
+    return module.QWeight([_integer_part(module, p) for p in parts])
+
+
+def _part(module: ModuleType, t: GGUFTensor):
+    if t.qtype in blocks.DENSE:
+        return _dense_part(module, blocks.dense_values(t))
+    return _integer_part(module, unsigned_blocks(t), blocks.k_factors(t))
+
+
+def _by_groups(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """[n, ...] padded with zero rows to whole groups of 16, as [groups, 16, ...]."""
+    pad = -len(a) % 16
+    a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+    return a.reshape(len(a) // 16, 16, *a.shape[1:]), len(a) // 16
+
+
+def _dense_part(module: ModuleType, w: np.ndarray):
+    """Dense weights [n, k] in fdot.h's layout: [groups, k, 16]."""
+    n, k = w.shape
+    g, _ = _by_groups(w)
+    q = torch.from_numpy(np.ascontiguousarray(g.transpose(0, 2, 1)).reshape(-1))
+    if w.dtype == np.uint16:  # bf16 bits
+        q = q.view(torch.int16).view(torch.bfloat16)
+    return module.QPart(n, k, q)
+
+
+def _zero(d: np.ndarray, m: np.ndarray, bits: int) -> int:
+    """z where every m is exactly -z*d (an integer path), else 0 (the m term in float)."""
+    at = np.flatnonzero(d)
+    ratio = -float(m.flat[at[0]]) / float(d.flat[at[0]]) if at.size else 0.0
+    if not 0 < ratio < 1 << bits:
+        return 0
+    z = round(ratio)
+    return z if np.array_equal(m, -np.float32(z) * d) else 0
+
+
+def _integer_part(module: ModuleType, b: Blocks, factors: blocks.Factors | None = None):
+    """One type's blocks in kernels' layout (qweight.h): groups of 16 outputs, per block 8
+    chunks of 4 inputs x 16 outputs; scales [groups, blocks, halves, 16]: K-quants' as their
+    factors (an fp16 per 8 blocks times small integers per block), others fp16 where every one
+    is exactly an fp16, else float32."""
+    bits, u, d, m = b
     n, nb, _ = u.shape
-    pad = -n % 16
-    u = np.pad(u, ((0, pad), (0, 0), (0, 0)))
-    d, m = (np.pad(a, ((0, pad), (0, 0))) for a in (d, m))
-    groups = (n + pad) // 16
+    halves = 2 if d.ndim == 3 else 1
+    d, m = (a.reshape(n, nb, halves).astype(np.float32) for a in (d, m))
+    zero = _zero(d, m, bits)
+    if halves == 2 and not zero:
+        raise ValueError("scales per half block need m = -zero*d")
+    ug, groups = _by_groups(u)
     # [group, out16, block, chunk8, 4] -> [group, block, chunk8, out16, 4]
-    chunks = u.reshape(groups, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8, 64)
-    q = chunks[:, :, 0::2] | (chunks[:, :, 1::2] << 4) if bits == 4 else chunks
-    half = [np.ascontiguousarray(a.reshape(groups, 16, nb).transpose(0, 2, 1)).astype(np.float16)
-            for a in (d, m)]
-    for a, full in zip(half, (d, m), strict=True):  # m = -8d or -128d must stay exact
-        if not np.array_equal(a.astype(np.float32).transpose(0, 2, 1).reshape(-1, nb), full):
-            raise ValueError("a block scale does not fit fp16 exactly")
-    middle = 1 << (bits - 1)  # Q8_0's m = -128 d and Q4_0's m = -8 d: integer arithmetic
-    zero = middle if np.array_equal(m, -middle * d) else 0
-    return module.QWeight(bits, n, nb * GROUP,
-                          torch.from_numpy(np.ascontiguousarray(q).reshape(-1)),
-                          *(torch.from_numpy(a.reshape(-1)) for a in half), zero)
+    chunks = ug.reshape(groups, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8, 64)
+    if int(u.max(initial=0)) >= 1 << bits:
+        raise ValueError(f"codes over {bits} bits")
+    q = chunks if bits == 8 else _nibble_planes(chunks, bits)
+    scales = [_scale_layout(a) for a in (d, m)]
+    with np.errstate(over="ignore"):  # a scale past fp16's range: float32 then
+        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
+    scales = [a.astype(np.float16) if exact else a for a in scales]
+    supers = [np.zeros(0, np.float16)] * 2
+    if factors is not None:  # 1.25 bytes a scale, not 2 or 4
+        scales, supers = _factor_layout(factors, d, m, zero, nb)
+    if zero:  # m is not read with a zero (halves 2: the second half's d takes its place)
+        scales[1], supers[1] = scales[1][:0], supers[1][:0]
+    return module.QPart(bits, n, nb * GROUP, torch.from_numpy(np.ascontiguousarray(q).reshape(-1)),
+                        *(torch.from_numpy(a.reshape(-1)) for a in scales), zero, halves,
+                        *(torch.from_numpy(np.ascontiguousarray(a).reshape(-1)) for a in supers))
 
 
-def error_scales(t: GGUFTensor) -> torch.Tensor:
+def _scale_layout(a: np.ndarray) -> np.ndarray:
+    """[n, nb, halves] -> [groups, nb, halves, 16]."""
+    return np.ascontiguousarray(_by_groups(a)[0].transpose(0, 2, 3, 1))
+
+
+def _factor_layout(factors: blocks.Factors, d: np.ndarray, m: np.ndarray, zero: int, nb: int):
+    """K-quant factors in qweight.h's layout, checked to give the scales exactly."""
+    d_super, d_small, m_super, m_small = factors
+    if m_super is None:  # Q6_K: a zero instead of minimums
+        m_super, m_small = d_super, d_small
+    n = len(d)
+    halves = d.shape[-1]
+    smalls = [_scale_layout(a.reshape(n, nb, halves)) for a in (d_small, m_small)]
+    supers = [np.ascontiguousarray(_by_groups(a)[0].transpose(0, 2, 1)) for a in (d_super, m_super)]
+    checked = [(smalls[0], supers[0], d)] + ([] if zero else [(smalls[1], supers[1], m)])
+    for small, sup, full in checked:
+        product = np.repeat(sup.astype(np.float32), 8, axis=1)[:, :, None, :] * small
+        if not np.array_equal(product, _scale_layout(full)):
+            raise ValueError("K-quant scale factors do not give the block scales")
+    return smalls, supers
+
+
+def _nibble_planes(chunks: np.ndarray, bits: int) -> np.ndarray:
+    """Codes of 4 to 6 bits [groups, nb, 8 chunks, 64] as qweight.h stores them: the low nibbles
+    of chunks 2i, 2i+1 in one 64-byte row, then bits - 4 rows of high bits (5 bits: bit j of a
+    byte for chunk j; 6 bits: bits 2j, 2j+1 of row p for chunk 4p + j)."""
+    low, high = chunks & 0x0F, chunks >> 4
+    rows = [low[:, :, 0::2] | (low[:, :, 1::2] << 4)]
+    if bits == 5:
+        rows.append(sum(high[:, :, j:j + 1] << j for j in range(8)).astype(np.uint8))
+    if bits == 6:
+        for p in range(2):
+            rows.append(sum(high[:, :, 4 * p + j:4 * p + j + 1] << 2 * j
+                            for j in range(4)).astype(np.uint8))
+    return np.concatenate(rows, axis=2)
+
+
+def _per_element(b: Blocks) -> tuple[np.ndarray, np.ndarray]:
+    """d, m of each element [N, nb, 32]."""
+    _, u, d, m = b
+    if d.ndim == 2:
+        return d[..., None], m[..., None]
+    return np.repeat(d, 16, axis=-1), np.repeat(m, 16, axis=-1)
+
+
+def error_scales(t: GGUFTensor, rows: int = 2048) -> torch.Tensor:
     """[2, blocks] float32: per block, the largest sum of |w| over the outputs (the int8
     rounding of half a step per input costs at most that much per unit step) and the largest
-    sum of |d*u| + |m| (what float rounding scales with). Their use: target.h's head."""
-    _, u, d, m = unsigned_blocks(t)
-    w = np.abs(d[..., None] * u.astype(np.float32) + m[..., None]).sum(-1)
-    terms = (np.abs(d[..., None] * u.astype(np.float32)) + np.abs(m[..., None])).sum(-1)
-    return torch.from_numpy(np.stack([w.max(0), terms.max(0)]).astype(np.float32) * (1 + 2**-10))
+    sum of |d*u| + |m| (what float rounding scales with). Their use: target.h's head. A dense
+    weight's float32 chains (k/2 + 1 roundings of their terms) fit that formula's budget with
+    4 times the sum of |w| in the second place. Taken `rows` outputs at a time: a vocabulary's
+    float temporaries would otherwise be several times the packed head."""
+    n, k = t.shape
+    data = np.asarray(t.data).reshape(n, -1)
+    parts = [_error_scales(GGUFTensor(t.name, t.qtype, (min(rows, n - r), k), data[r:r + rows]))
+             for r in range(0, n, rows)]
+    return torch.from_numpy(np.max(parts, axis=0) * np.float32(1 + 2**-10))
+
+
+def _error_scales(t: GGUFTensor) -> np.ndarray:
+    if t.qtype in blocks.DENSE:
+        n, k = t.shape
+        w = np.abs(t.dequantize().astype(np.float32)).reshape(n, k // GROUP, GROUP).sum(-1)
+        return np.stack([w.max(0), 4 * w.max(0)])
+    b = unsigned_blocks(t)
+    d, m = _per_element(b)
+    u = b[1].astype(np.float32)
+    w = np.abs(d * u + m).sum(-1)
+    terms = (np.abs(d * u) + np.abs(m)).sum(-1)
+    return np.stack([w.max(0), terms.max(0)]).astype(np.float32)
 
 
 def row_norms(w: torch.Tensor) -> torch.Tensor:
@@ -162,5 +246,15 @@ def row_norms(w: torch.Tensor) -> torch.Tensor:
     return (w.double().norm(dim=-1) * (1 + 2**-20)).float()
 
 
+def unpackable(tensors: Sequence[GGUFTensor]) -> str:
+    """'' if the native forward takes every tensor, else one line naming the first it does not
+    take and why."""
+    for t in tensors:
+        why = blocks.why_not(t)
+        if why:
+            return f"the native forward does not take {t.name} ({why})"
+    return ""
+
+
 def packable(tensors: Sequence[GGUFTensor]) -> bool:
-    return all(t.qtype in PACKABLE and t.shape[1] % GROUP == 0 for t in tensors)
+    return not unpackable(tensors)

@@ -8,9 +8,10 @@
 // OpenMP runtime.
 //
 // Why it is shaped this way:
-// - Weights stay quantised (Q4_0 / Q4_1 / Q8_0 repacked by native.py into unsigned integers u
-//   with value = d*u + m per block of 32); activations are quantised per block of 32 to int8
-//   (scale dx, integer sum sx), so a block's dot is d*dx*sum(u*x) + m*dx*sx, an exact integer
+// - Weights stay quantised (Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K repacked by
+//   native/__init__.py into unsigned integers u with value = d*u + m per block of 32, Q6_K per
+//   16; F16 / BF16 / F32 kept as floats, fdot.h); activations are quantised per block of 32
+//   to int8 (scale dx, integer sum sx), so a block's dot is d*dx*sum(u*x) + m*dx*sx, an exact integer
 //   dot product (VNNI's vpdpbusd, or AVX2's maddubs) and two float terms. This is ggml's Q8
 //   activation arithmetic.
 // - A weight tile is loaded and unpacked once per call and used for every row of the call, so
@@ -41,21 +42,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, py::arg("on") = py::none());
-  py::class_<QWeight>(m, "QWeight", py::module_local())
+  py::class_<QPart>(m, "QPart", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor, torch::Tensor,
-                    int64_t>(),
+                    int64_t, int64_t, torch::Tensor, torch::Tensor>(),
+           py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"),
+           py::arg("zero") = 0, py::arg("halves") = 1,
+           py::arg("d_super") = torch::empty({0}, torch::kHalf),
+           py::arg("m_super") = torch::empty({0}, torch::kHalf))
+      .def(py::init<int64_t, int64_t, torch::Tensor>(), py::arg("n"), py::arg("k"),
+           py::arg("dense"))
+      .def_readonly("bits", &QPart::bits)
+      .def_readonly("zero", &QPart::zero)
+      .def_readonly("halves", &QPart::halves)
+      .def_readonly("f32", &QPart::f32)
+      .def_readonly("factors", &QPart::factors);
+  py::class_<QWeight>(m, "QWeight", py::module_local())
+      .def(py::init<std::vector<QPart>>(), py::arg("parts"))
+      .def(py::init([](int64_t bits, int64_t n, int64_t k, torch::Tensor q, torch::Tensor d,
+                       torch::Tensor mins, int64_t zero) {
+             const auto none = torch::empty({0}, torch::kHalf);
+             return QWeight({QPart(bits, n, k, q, d, mins, zero, 1, none, none)});
+           }),
            py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("q"), py::arg("d"), py::arg("m"),
            py::arg("zero") = 0)
       .def("matmul", [](const QWeight& w, torch::Tensor x) { return qmatmul(w, x); },
            py::call_guard<py::gil_scoped_release>())
       .def_readonly("n", &QWeight::n)
       .def_readonly("k", &QWeight::k)
-      .def_readonly("zero", &QWeight::zero);
+      .def_readonly("parts", &QWeight::parts)
+      .def_property_readonly("zero", [](const QWeight& w) { return w.parts[0].zero; });
   py::class_<Model>(m, "Model", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
                     torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor,
-                    torch::Tensor, torch::Tensor>())
-      .def("add_layer", &Model::add_layer)
+                    torch::Tensor, torch::Tensor, double, double>())
+      .def("add_layer", &Model::add_layer, py::arg("attn_norm"), py::arg("ffn_norm"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv_bias"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("post_attn_norm") = torch::empty({0}), py::arg("post_ffn_norm") =
+           torch::empty({0}), py::arg("act") = "silu", py::arg("window") = 0,
+           py::arg("rope_cos") = torch::empty({0}), py::arg("rope_sin") = torch::empty({0}))
       .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
       .def("forward_batch", &Model::forward_batch, py::call_guard<py::gil_scoped_release>())
       .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());

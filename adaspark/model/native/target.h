@@ -1,4 +1,7 @@
-// The target: a llama / qwen2 / qwen3 stack over a fp16 K/V cache, and its LM head.
+// The target: a llama / qwen2 / qwen3 / gemma3 stack over a fp16 K/V cache, and its LM head.
+// An architecture is a choice of parts per layer (Layer: optional norms and bias, the gate's
+// activation, an attention window, a RoPE table) and two model-wide numbers (embed_scale,
+// attn_scale), all handed over by transformer.py's _native_model.
 #pragma once
 
 #include "kernels.h"
@@ -8,19 +11,35 @@ namespace adaspark {
 struct Layer {
   torch::Tensor attn_norm, ffn_norm, q_norm, k_norm, qkv_bias;  // the last three may be empty
   QWeight qkv, o, gate_up, down;
+  torch::Tensor post_attn_norm, post_ffn_norm;  // may be empty
+  Act act;
+  int64_t window;            // attention sees positions > p - window; 0: all
+  torch::Tensor cos, sin;    // this layer's RoPE table [positions, head_dim / 2]
+
+  BlockParts parts() const {
+    auto ptr = [](const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; };
+    return BlockParts{ptr(post_attn_norm), ptr(post_ffn_norm), act};
+  }
 };
+
+inline Act act_named(const std::string& name) {
+  if (name == "silu") return Act::silu;
+  TORCH_CHECK(name == "gelu_tanh", "unknown activation ", name);
+  return Act::gelu_tanh;
+}
 
 class Model {
  public:
   Model(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
         double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor embeddings,
         torch::Tensor out_norm, QWeight head, torch::Tensor head_f32, torch::Tensor head_bounds,
-        torch::Tensor head_norms)
+        torch::Tensor head_norms, double embed_scale, double attn_scale)
       : dim_(dim), heads_(n_heads), kv_heads_(n_kv_heads), hd_(head_dim), ffn_(ffn),
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
         emb_(embeddings.contiguous()), out_norm_(out_norm.contiguous()), head_(std::move(head)),
         head_f32_(head_f32.contiguous()), head_bounds_(head_bounds.contiguous()),
-        head_norms_(head_norms.contiguous()) {
+        head_norms_(head_norms.contiguous()), embed_scale_(static_cast<float>(embed_scale)),
+        attn_scale_(static_cast<float>(attn_scale)) {
     TORCH_CHECK(head_bounds_.scalar_type() == torch::kFloat && head_bounds_.numel() == 2 * head_.nb,
                 "head_bounds must be float32 [2, blocks]");
     TORCH_CHECK(head_norms_.scalar_type() == torch::kFloat && head_norms_.numel() == head_.n,
@@ -30,12 +49,26 @@ class Model {
     TORCH_CHECK(heads_ % kv_heads_ == 0, "heads must be a multiple of kv heads");
   }
 
+  // rope_cos / rope_sin: the layer's own table (empty: the model's); post norms may be empty.
   void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm, torch::Tensor q_norm,
                  torch::Tensor k_norm, torch::Tensor qkv_bias, QWeight qkv, QWeight o,
-                 QWeight gate_up, QWeight down) {
+                 QWeight gate_up, QWeight down, torch::Tensor post_attn_norm,
+                 torch::Tensor post_ffn_norm, const std::string& act, int64_t window,
+                 torch::Tensor rope_cos, torch::Tensor rope_sin) {
+    if (!rope_cos.numel()) rope_cos = cos_, rope_sin = sin_;
+    TORCH_CHECK(rope_cos.sizes() == cos_.sizes() && rope_sin.sizes() == cos_.sizes() &&
+                    rope_cos.scalar_type() == torch::kFloat &&
+                    rope_sin.scalar_type() == torch::kFloat,
+                "a layer's RoPE table must be float32 shaped like the model's");
+    for (const torch::Tensor* t : {&post_attn_norm, &post_ffn_norm})
+      TORCH_CHECK(!t->numel() || (t->numel() == dim_ && t->scalar_type() == torch::kFloat),
+                  "post norms must be empty or float32 [dim]");
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
     layers_.push_back(Layer{attn_norm.contiguous(), ffn_norm.contiguous(), q_norm.contiguous(),
                             k_norm.contiguous(), qkv_bias.contiguous(), std::move(qkv),
-                            std::move(o), std::move(gate_up), std::move(down)});
+                            std::move(o), std::move(gate_up), std::move(down),
+                            post_attn_norm.contiguous(), post_ffn_norm.contiguous(),
+                            act_named(act), window, rope_cos.contiguous(), rope_sin.contiguous()});
   }
 
   // Rows at cache slots start..start+n-1, positions `positions`; row r sees the committed
@@ -106,6 +139,8 @@ class Model {
     attn.resize(n * qw); gu.resize(n * 2 * ffn_); act.resize(n * ffn_); y.resize(n * dim_);
     const float* emb = emb_.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) std::memcpy(&x[r * dim_], emb + tok[r] * dim_, dim_ * 4);
+    if (embed_scale_ != 1.0f)  // float32 times the float32 scale, as torch and llama.cpp round it
+      for (int64_t i = 0; i < n * dim_; ++i) x[i] *= embed_scale_;
     auto hiddens = torch::empty({static_cast<int64_t>(taps.size()), n, dim_}, torch::kFloat);
     QAct& a = act_q_;
     std::vector<Segment> segs(seqs);
@@ -123,12 +158,13 @@ class Model {
         const int64_t capacity = caches_k[s].size(3), layer = li * kv_heads_ * capacity * hd_;
         segs[s] = Segment{reinterpret_cast<uint16_t*>(caches_k[s].data_ptr<at::Half>()) + layer,
                           reinterpret_cast<uint16_t*>(caches_v[s].data_ptr<at::Half>()) + layer,
-                          starts[s], capacity, row0[s], counts[s], ancp + row0[s] * n + row0[s], n};
+                          starts[s], capacity, row0[s], counts[s], ancp + row0[s] * n + row0[s], n,
+                          pos + row0[s], ly.window};
       }
       place_qkv(ly, qkv.data(), n, pos, segs, seq_of.data(), slot_of.data());
-      attend(Heads{heads_, kv_heads_, hd_}, qkv.data(), qkvw, segs, attn.data());
+      attend(Heads{heads_, kv_heads_, hd_, attn_scale_}, qkv.data(), qkvw, segs, attn.data());
       attn_out_and_ffn(ly, x.data(), attn.data(), n, dim_, qw, ffn_, eps_, a, h.data(), y.data(),
-                       gu.data(), act.data());
+                       gu.data(), act.data(), ly.parts());
       for (size_t t = 0; t < taps.size(); ++t)
         if (taps[t] == li) std::memcpy(hiddens[t].data_ptr<float>(), x.data(), n * dim_ * 4);
     }
@@ -205,8 +241,8 @@ class Model {
       float* row = qkv + r * qkvw;
       if (bias)
         for (int64_t i = 0; i < qkvw; ++i) row[i] += bias[i];
-      const float* cs = cos_.data_ptr<float>() + pos[r] * half;
-      const float* sn = sin_.data_ptr<float>() + pos[r] * half;
+      const float* cs = ly.cos.data_ptr<float>() + pos[r] * half;
+      const float* sn = ly.sin.data_ptr<float>() + pos[r] * half;
       for (int64_t hh = 0; hh < heads_ + kv_heads_; ++hh) {
         float* v = row + hh * hd_;
         const torch::Tensor& norm = hh < heads_ ? ly.q_norm : ly.k_norm;
@@ -225,6 +261,7 @@ class Model {
   torch::Tensor cos_, sin_, emb_, out_norm_;
   QWeight head_;
   torch::Tensor head_f32_, head_bounds_, head_norms_;
+  float embed_scale_, attn_scale_;  // inputs times embed_scale; scores q.k times attn_scale
   QAct head_q_;
   std::vector<Layer> layers_;
   std::vector<float> x_, h_, qkv_, attn_, gu_, act_, y_;

@@ -1,0 +1,256 @@
+// Tree attention over the fp16 K/V cache.
+#pragma once
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace adaspark {
+
+// Attention geometry: query heads share kv heads in groups (GQA).
+struct Heads {
+  int64_t heads, kv_heads, hd;
+  float scale = 0.0f;  // scores = q.k * scale; 0: 1/sqrt(hd)
+};
+
+// K and V rows (float, kv_heads * hd each) into their fp16 cache slot `slot` of one layer.
+inline void store_kv(const Heads& hs, const float* k, const float* v, uint16_t* kl, uint16_t* vl,
+                     int64_t slot, int64_t capacity) {
+  for (int64_t g = 0; g < hs.kv_heads; ++g) {
+    uint16_t* kd = kl + (g * capacity + slot) * hs.hd;
+    uint16_t* vd = vl + (g * capacity + slot) * hs.hd;
+    for (int64_t i = 0; i < hs.hd; i += W) {
+      vstore_h(kd + i, vload(k + g * hs.hd + i));
+      vstore_h(vd + i, vload(v + g * hs.hd + i));
+    }
+  }
+}
+
+// W dot products at once: p[j] holds slot j's lane-wise partial sums; lane j of the result is
+// their total, by one fixed tree per slot (pairs inside each 128-bit lane, then across lanes)
+// whatever the other slots are.
+#ifdef ADASPARK_AVX512
+inline vf sum_lanes(const vf* p) {
+  vf a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * j], p[2 * j + 1]),
+                         _mm512_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int j = 0; j < 2; ++j)  // 128-bit lanes (0,1) and (2,3) of each b
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#else
+inline vf sum_lanes(const vf* p) {
+  vf a[4], b[2];
+  for (int j = 0; j < 4; ++j)
+    a[j] = _mm256_add_ps(_mm256_unpacklo_ps(p[2 * j], p[2 * j + 1]),
+                         _mm256_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 2; ++j) {
+    const __m256d x = _mm256_castps_pd(a[2 * j]), y = _mm256_castps_pd(a[2 * j + 1]);
+    b[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                       _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+#endif
+
+// Softmax attention over each query's visible slots: the committed ones, then its row's
+// ancestors in the call in row order (parents precede children, so the i-th visible slot holds
+// position i). A task takes one kv head and kQueries of the queries that share it (row-major
+// over (row, head in the group)), so each committed K/V slot is converted from fp16 once for
+// them all. Scores come W slots at a time (sum_lanes); every query sums its dots, exps and
+// weighted values in one fixed order per slot, so a row's result is the same in any call:
+// tree, chain, step or prefill. C: head_dim / W, a constant so accumulators stay in registers.
+//
+// A sliding window (Segment::window) hides the keys at positions <= p - window from a row at
+// position p: committed slot s sits at position s, a row of the call at its own. Hidden keys
+// keep their index with a weight of exactly 0 (sums and maxima untouched), and a query's sums
+// start at the W-group holding its first visible slot, so a row still comes out the same in
+// any call: the groups before that one would only add zeros.
+constexpr int kQueries = 4;
+
+// Whether attend() takes this head_dim: 2, 4, 8, 16 or 32 vectors.
+inline bool attend_takes(int64_t hd) {
+  const int64_t c = hd / W;
+  return hd % W == 0 && (c == 2 || c == 4 || c == 8 || c == 16 || c == 32);
+}
+
+//
+// A call may hold the rows of several sequences, each over its own cache (Segment); a row
+// sees only its own sequence, so it comes out the same batched or alone.
+struct Segment {
+  const uint16_t *kl, *vl;  // this layer's K and V of the sequence's cache
+  int64_t start, capacity;  // committed slots, slots in all
+  int64_t row0, n;          // its rows of the call: [row0, row0 + n)
+  const bool* anc;          // anc[r * anc_stride + t]: its row r sees its row t
+  int64_t anc_stride;
+  const int64_t* pos = nullptr;  // its rows' positions (read with a window)
+  int64_t window = 0;            // a row sees keys at positions > its own - window; 0: all
+};
+
+template <int C>
+void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
+              const std::vector<Segment>& segs, float* out) {
+  const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
+  std::vector<int64_t> first(segs.size() + 1, 0);  // a segment's tasks: kv heads x query blocks
+  int64_t most = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    first[i + 1] = first[i] + hs.kv_heads * ((segs[i].n * group + kQueries - 1) / kQueries);
+    most = std::max(most, round_up(segs[i].start + segs[i].n, W));
+  }
+  const float scale = hs.scale ? hs.scale : 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> scores;
+    scores.resize(kQueries * most);
+    alignas(64) float keys[W][C * W];  // W slots' keys in float32
+    for (int64_t t = t0; t < t1; ++t) {
+      const size_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const Segment& sg = segs[si];
+      const int64_t start = sg.start, n = sg.n, nq = n * group;
+      const int64_t blocks = (nq + kQueries - 1) / kQueries, stride = round_up(start + n, W);
+      const int64_t g = (t - first[si]) / blocks, q0 = (t - first[si]) % blocks * kQueries;
+      const int64_t qn = std::min<int64_t>(kQueries, nq - q0);
+      const uint16_t* kg = sg.kl + g * sg.capacity * hd;
+      const uint16_t* vg = sg.vl + g * sg.capacity * hd;
+      int64_t row[kQueries], head[kQueries], m[kQueries], lo[kQueries], from[kQueries];
+      vf q[kQueries][C], acc[kQueries][C];
+      for (int i = 0; i < kQueries; ++i) {  // a short block repeats its last query, unused
+        const int64_t qi = q0 + std::min<int64_t>(i, qn - 1);
+        row[i] = qi / group;
+        head[i] = g * group + qi % group;
+        // the first visible position, and the W-group where the query's sums start
+        lo[i] = sg.window ? std::max<int64_t>(0, sg.pos[row[i]] - sg.window + 1) : 0;
+        from[i] = std::min(lo[i], start) / W * W;
+        const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
+        for (int c = 0; c < C; ++c) q[i][c] = vload(qp + c * W);
+      }
+      // scores of W visible slots [s0, s0 + count) whose keys are in `keys`, for query i
+      auto score = [&](int i, int64_t s0) {
+        vf p[W];
+        for (int j = 0; j < W; ++j) {
+          vf d = vmul(q[i][0], vload(keys[j]));
+          for (int c = 1; c < C; ++c) d = vfma(q[i][c], vload(keys[j] + c * W), d);
+          p[j] = d;
+        }
+        vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
+      };
+      auto load_keys = [&](const uint16_t* const* ks, int64_t count) {
+        for (int j = 0; j < W; ++j)
+          for (int c = 0; c < C; ++c)
+            vstore(keys[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
+      };
+      // calls f(index) for each ancestor of query i the window hides
+      auto hidden_ancestors = [&](int i, auto f) {
+        if (!sg.window) return;
+        for (int64_t j = 0, s = start; j < n; ++j) {
+          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
+          if (sg.pos[j] < lo[i]) f(s);
+          ++s;
+        }
+      };
+      const int64_t from_all = *std::min_element(from, from + kQueries);
+      const uint16_t* ks[W];
+      // whole groups of committed slots, shared by the queries; a partial last group is
+      // scored per query below, together with the row's ancestors that follow it
+      for (int64_t s0 = from_all; s0 + W <= start; s0 += W) {
+        for (int j = 0; j < W; ++j) ks[j] = kg + (s0 + j) * hd;
+        load_keys(ks, W);
+        for (int i = 0; i < kQueries; ++i) score(i, s0);
+      }
+      for (int i = 0; i < kQueries; ++i) {  // the row's ancestors, then its softmax
+        float* sc = scores.data() + i * stride;
+        int64_t s0 = start / W * W, count = start - s0;
+        for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
+        m[i] = start;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
+          ks[count++] = kg + (start + j) * hd;
+          ++m[i];
+          if (count == W) {
+            load_keys(ks, count);
+            score(i, s0);
+            s0 += W;
+            count = 0;
+          }
+        }
+        if (count) {
+          load_keys(ks, count);
+          score(i, s0);
+        }
+        const int64_t hide = std::min(lo[i], start);  // committed slots [from, hide) hidden
+        for (int64_t s = from[i]; s < hide; ++s) sc[s] = -INFINITY;
+        hidden_ancestors(i, [&](int64_t s) { sc[s] = -INFINITY; });
+        vf top = vset1(-INFINITY);
+        for (int64_t s = from[i]; s + W <= m[i]; s += W) top = vmax(top, vload(sc + s));
+        float mx = hmax(top);
+        for (int64_t s = m[i] / W * W; s < m[i]; ++s) mx = std::max(mx, sc[s]);
+        const int64_t padded = round_up(m[i], W);
+        for (int64_t s = m[i]; s < padded; ++s) sc[s] = -INFINITY;
+        const vf shift = vset1(mx);
+        for (int64_t s = from[i]; s < padded; s += W)  // exp(-inf - mx) clamps to ~0 ...
+          vstore(sc + s, vexp(vsub(vload(sc + s), shift)));
+        for (int64_t s = m[i]; s < padded; ++s) sc[s] = 0.0f;  // ... so padding and hidden
+        for (int64_t s = from[i]; s < hide; ++s) sc[s] = 0.0f;  // keys are set to add nothing
+        hidden_ancestors(i, [&](int64_t s) { sc[s] = 0.0f; });
+        vf lanes = vzero();
+        for (int64_t s = from[i]; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
+        q[i][0] = vset1(1.0f / vsum(lanes));  // the query is spent: keep 1/sum in its place
+        for (int c = 0; c < C; ++c) acc[i][c] = vzero();
+      }
+      const int64_t lo_all = *std::min_element(lo, lo + kQueries);
+      for (int64_t s = lo_all; s < start; ++s) {  // committed values: one V conversion for all
+        vf v[C];
+        for (int c = 0; c < C; ++c) v[c] = vload_h(vg + s * hd + c * W);
+        for (int i = 0; i < kQueries; ++i) {
+          if (s < lo[i]) continue;  // hidden: skipped, not weighted by 0 (an fp16 inf stays out)
+          const vf w = vset1(scores[i * stride + s]);
+          for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < qn; ++i) {
+        const float* sc = scores.data() + i * stride;
+        int64_t s = start;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
+          if (sg.window && sg.pos[j] < lo[i]) {
+            ++s;
+            continue;
+          }
+          const uint16_t* vj = vg + (start + j) * hd;
+          const vf w = vset1(sc[s++]);
+          for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
+        }
+        float* o = out + (sg.row0 + row[i]) * heads * hd + head[i] * hd;
+        for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
+      }
+    }
+  });
+}
+
+void attend(const Heads& hs, const float* q_rows, int64_t q_stride,
+            const std::vector<Segment>& segs, float* out) {
+  switch (hs.hd / W) {
+    case 2: return attend_c<2>(hs, q_rows, q_stride, segs, out);
+    case 4: return attend_c<4>(hs, q_rows, q_stride, segs, out);
+    case 8: return attend_c<8>(hs, q_rows, q_stride, segs, out);
+    case 16: return attend_c<16>(hs, q_rows, q_stride, segs, out);
+    case 32: return attend_c<32>(hs, q_rows, q_stride, segs, out);
+    default: TORCH_CHECK(false, "head_dim must be 2, 4, 8, 16 or 32 vectors");
+  }
+}
+
+// One sequence's n rows over one cache, anc [n, n].
+void attend(const Heads& hs, const float* q_rows, int64_t q_stride, const uint16_t* kl,
+            const uint16_t* vl, int64_t start, int64_t capacity, const bool* anc, int64_t n,
+            float* out) {
+  attend(hs, q_rows, q_stride, {Segment{kl, vl, start, capacity, 0, n, anc, n}}, out);
+}
+
+}  // namespace adaspark

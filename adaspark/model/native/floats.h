@@ -1,0 +1,109 @@
+// Float32 dot products in one fixed order (the LM head's exact recompute, the drafter's fc),
+// argmax and top-k over float rows.
+#pragma once
+
+#include "simd.h"
+
+namespace adaspark {
+
+// Dot of two float vectors of length n (a multiple of W), one fixed order.
+inline float vdot(const float* a, const float* b, int64_t n) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  return vsum(acc);
+}
+
+// y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1), rows of
+// length k: 4 x 4 pairs at a time share their loads, each pair keeping vdot's own steps (one
+// accumulator, chunks in order, then vsum), so every value is bit-identical to vdot's.
+inline void vdots(const float* x, int64_t rows, const float* w, int64_t o0, int64_t o1,
+                  int64_t k, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    int64_t o = o0;
+    for (; o + 4 <= o1; o += 4) {
+      vf acc[4][4];
+      for (auto& row : acc)
+        for (vf& v : row) v = vzero();
+      for (int64_t c = 0; c < k; c += W) {
+        vf xs[4], ws[4];
+        for (int i = 0; i < 4; ++i) xs[i] = vload(x + (r + i) * k + c);
+        for (int j = 0; j < 4; ++j) ws[j] = vload(w + (o + j) * k + c);
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) acc[i][j] = vfma(xs[i], ws[j], acc[i][j]);
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) y[(r + i) * ldy + o + j] = vsum(acc[i][j]);
+    }
+    for (; o < o1; ++o)
+      for (int i = 0; i < 4; ++i) y[(r + i) * ldy + o] = vdot(x + (r + i) * k, w + o * k, k);
+  }
+  for (; r < rows; ++r)
+    for (int64_t o = o0; o < o1; ++o) y[r * ldy + o] = vdot(x + r * k, w + o * k, k);
+}
+
+// Index of the largest of x[0, n), the lowest among equal maxima (std::max_element's answer):
+// a vector pass for the value, then the first lane that holds it.
+inline int64_t argmax_first(const float* x, int64_t n) {
+  if (n < W) return std::max_element(x, x + n) - x;
+  vf top = vload(x);
+  int64_t i = W;
+  for (; i + W <= n; i += W) top = vmax(top, vload(x + i));
+  float best = hmax(top);
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  for (int64_t at = 0; at < n; ++at)
+    if (x[at] == best) return at;
+  return std::max_element(x, x + n) - x;  // NaNs: the value compares equal nowhere
+}
+
+// Calls f(i) for every i in [0, n) with (x[i] + a) + y[i] * s >= t, in increasing order: one
+// vector compare per W values (a tail is padded), so every i takes the same float steps.
+template <class F>
+inline void for_each_reaching(const float* x, const float* y, float a, float s, float t,
+                              int64_t n, F f) {
+  const vf av = vset1(a), sv = vset1(s), tv = vset1(t);
+  auto lanes = [&](const float* xs, const float* ys, int64_t i0) {
+    unsigned bits = vge_mask(vadd(vadd(vload(xs), av), vmul(vload(ys), sv)), tv);
+    for (; bits; bits &= bits - 1) f(i0 + __builtin_ctz(bits));
+  };
+  int64_t i = 0;
+  for (; i + W <= n; i += W) lanes(x + i, y + i, i);
+  if (i < n) {
+    alignas(64) float xt[W], yt[W];
+    for (int j = 0; j < W; ++j) {
+      xt[j] = i + j < n ? x[i + j] : -INFINITY;
+      yt[j] = i + j < n ? y[i + j] : 0.0f;
+    }
+    lanes(xt, yt, i);
+  }
+}
+
+// The s best of x[0, n) best first, ties to the lower index (std::partial_sort's answer under
+// that order): one pass keeps a heap of the s best so far, and a vector compare skips the
+// lanes that cannot enter it (a later index must be strictly larger to beat an equal one).
+inline void top_indices(const float* x, int64_t n, int64_t s, std::vector<int64_t>& out) {
+  TORCH_CHECK(s >= 1 && s <= n, "top_indices: need 1 <= s <= n");
+  auto better = [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  out.resize(s);
+  std::iota(out.begin(), out.end(), 0);
+  std::make_heap(out.begin(), out.end(), better);  // front: the worst kept
+  auto enter = [&](int64_t i) {
+    if (x[i] <= x[out.front()]) return;
+    std::pop_heap(out.begin(), out.end(), better);
+    out.back() = i;
+    std::push_heap(out.begin(), out.end(), better);
+  };
+  int64_t i = s;
+  for (; i < n && i % W; ++i) enter(i);
+  for (; i + W <= n; i += W) {
+    unsigned bits = vgt_mask(vload(x + i), vset1(x[out.front()]));
+    while (bits) {
+      enter(i + __builtin_ctz(bits));
+      bits &= bits - 1;
+    }
+  }
+  for (; i < n; ++i) enter(i);
+  std::sort_heap(out.begin(), out.end(), better);
+}
+
+}  // namespace adaspark

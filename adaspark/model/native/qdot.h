@@ -1,0 +1,267 @@
+// Integer block dots of packed weights with int8 activations on the VNNI and AVX2 builds,
+// and the float steps that end every block on every path.
+#pragma once
+
+#include "fdot.h"
+#include "qweight.h"
+
+namespace adaspark {
+
+inline int32_t chunk_of(const int8_t* p) {  // 4 int8 inputs as one 32-bit lane value
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// acc + block b's contribution to row r from its integer sums s = sum(u*q) over W outputs
+// whose scales are dw, mw: d*dx*(s - zero*sum(q)), or d*dx*s + m*dx*sum(q) without a zero.
+// Every path (VNNI, AVX2, AMX) ends a block here, so a row's float steps are one sequence.
+// centred: s already holds sum((u - zero)*q) (plain AVX2's Q8_0 dot), the same integer as
+// s - zero*sum(q), so the float steps that follow are the same too.
+inline vf add_block(vf acc, vi s, vf dw, vf mw, const QPart& w, const QAct& a, int64_t r,
+                    int64_t b, bool centred = false) {
+  const int64_t at = r * a.nb + b;
+  const vf scale = vmul(dw, vset1(a.dx[at]));
+  if (centred) return vfma(vfloat(s), scale, acc);
+  if (w.zero)
+    return vfma(vfloat(vsub_i(s, vset1_i(static_cast<int32_t>(w.zero) * a.qs[at]))), scale, acc);
+  return vfma(mw, vset1(a.xs[at]), vfma(vfloat(s), scale, acc));
+}
+
+// The same for a block whose halves of 16 inputs have their own scales d0, d1 (Q6_K), from
+// the integer sums s0, s1 of its halves (|s - zero*sum(q)| < 2^18: exact in float32).
+inline vf add_halves(vf acc, vi s0, vi s1, vf d0, vf d1, const QPart& w, const QAct& a,
+                     int64_t r, int64_t b) {
+  const int64_t at = r * a.nb + b;
+  const vf dx = vset1(a.dx[at]);
+  const int32_t z = static_cast<int32_t>(w.zero), q0 = a.qh[at], q1 = a.qs[at] - q0;
+  acc = vfma(vfloat(vsub_i(s0, vset1_i(z * q0))), vmul(d0, dx), acc);
+  return vfma(vfloat(vsub_i(s1, vset1_i(z * q1))), vmul(d1, dx), acc);
+}
+
+// A block's scales: d, and m (free minimums), or the second half's d (halves 2). A struct,
+// not std::pair: vector types lose their alignment attributes as template arguments.
+struct Scales {
+  vf d, m;
+};
+inline Scales block_scales(const QPart& w, int64_t g, int64_t b, int64_t lane) {
+  const vf dw = load_scales(w, w.dp, w.dsp, w.d_signed, g, b, 0, lane);
+  if (w.halves == 2) return {dw, load_scales(w, w.dp, w.dsp, w.d_signed, g, b, 1, lane)};
+  return {dw, w.zero ? dw : load_scales(w, w.mp, w.msp, w.m_signed, g, b, 0, lane)};
+}
+
+// acc + a block from its integer sums: first (the block's first 16 inputs) and all of it.
+inline vf end_block(vf acc, vi first, vi all, vf dw, vf mw, const QPart& w, const QAct& a,
+                    int64_t r, int64_t b) {
+  if (w.halves == 2) return add_halves(acc, first, vsub_i(all, first), dw, mw, w, a, r, b);
+  return add_block(acc, all, dw, mw, w, a, r, b);
+}
+
+// A block's 8 chunks of codes u as bytes (qweight.h's layout): 8 bits as stored; else the low
+// nibbles from their 256 bytes, and for 5 and 6 bits the high bits from the planes after them.
+#ifdef ADASPARK_AVX512
+inline void unpack_block(const QPart& w, const uint8_t* qb, __m512i u[8]) {
+  if (w.bits == 8) {
+    for (int i = 0; i < 8; ++i) u[i] = _mm512_loadu_si512(qb + 64 * i);
+    return;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(qb + 64 * i);
+    u[2 * i] = _mm512_and_si512(v, low4);
+    u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+  if (w.bits == 5) {  // bit j of a plane byte: chunk j's fifth bit in that lane
+    const __m512i h = _mm512_loadu_si512(qb + 256), sixteen = _mm512_set1_epi8(16);
+    for (int j = 0; j < 8; ++j)
+      u[j] = _mm512_mask_add_epi8(u[j], _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << j)), u[j],
+                                  sixteen);
+  } else if (w.bits == 6) {  // bits 2j, 2j+1 of plane p: chunk 4p+j's two high bits
+    const __m512i three = _mm512_set1_epi8(3);
+    for (int p = 0; p < 2; ++p) {
+      const __m512i h = _mm512_loadu_si512(qb + 256 + 64 * p);
+      for (int j = 0; j < 4; ++j)
+        u[4 * p + j] = _mm512_or_si512(
+            u[4 * p + j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * j), three), 4));
+    }
+  }
+}
+#else
+// The same for half a group (8 outputs: qb already points 32 bytes into each 64-byte row).
+inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
+  auto load = [qb](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + at));
+  };
+  if (w.bits == 8) {
+    for (int i = 0; i < 8; ++i) u[i] = load(64 * i);
+    return;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = load(64 * i);
+    u[2 * i] = _mm256_and_si256(v, low4);
+    u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+  if (w.bits == 5) {
+    const __m256i h = load(256), one = _mm256_set1_epi8(1);
+    for (int j = 0; j < 8; ++j)
+      u[j] = _mm256_or_si256(u[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), one), 4));
+  } else if (w.bits == 6) {
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int p = 0; p < 2; ++p) {
+      const __m256i h = load(256 + 64 * p);
+      for (int j = 0; j < 4; ++j)
+        u[4 * p + j] = _mm256_or_si256(
+            u[4 * p + j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), three), 4));
+    }
+  }
+}
+#endif
+
+// y[r, 16g .. 16g+15] for rows [r0, r0+R): the group's weights are unpacked once per block
+// for all R rows; each (row, output) adds its blocks in order, in its own lane.
+template <int R>
+inline void group_rows(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                       int64_t ldy, Next ahead = {}) {
+#ifdef ADASPARK_AVX512
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    if (ahead.w) prefetch_block(*ahead.w, ahead.g, b);
+    __m512i u[8];
+    unpack_block(w, w.qp + (g * w.nb + b) * w.block_bytes(), u);
+    const auto [dw, mw] = block_scales(w, g, b, 0);
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const int8_t* xb = a.q.data() + r * a.k + b * kBlock;
+      // two chains of four, one per half block: vpdpbusd's latency is not the limit (integer
+      // sums are exact, so the split changes nothing in the result)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        s0 = _mm512_dpbusd_epi32(s0, u[j], _mm512_set1_epi32(chunk_of(xb + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, u[j + 4], _mm512_set1_epi32(chunk_of(xb + 4 * j + 16)));
+      }
+      acc[i] = end_block(acc[i], s0, _mm512_add_epi32(s0, s1), dw, mw, w, a, r, b);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
+  for (int i = 0; i < R; ++i) vstore_first(y + (r0 + i) * ldy + 16 * g, acc[i], valid);
+#else
+  // 8 outputs a register, so two halves of the group, each over all blocks (a half's 8 chunk
+  // registers loaded once for R rows). Per row and chunk of 4 inputs, the integer sums (exact,
+  // so every way of forming them gives the same result):
+  // - AVX-VNNI: one vpdpbusd (u unsigned, q signed, 4 products into each int32 lane);
+  // - AVX2, 4 bits: vpmaddubsw pairs (|u*q + u'*q'| <= 2*15*127) summed in int16 over the 8
+  //   chunks (<= 30480, no saturation), widened once a block by vpmaddwd;
+  // - AVX2, 5 and 6 bits (u <= 63): vpmaddubsw pairs (<= 2*63*127) summed in int16 over two
+  //   chunks (<= 32004), widened by vpmaddwd;
+  // - AVX2, 8 bits around zero 128 (Q8_0): c = u - 128 as signed bytes, |c| (<= 128, read
+  //   unsigned) times q carrying c's sign (|q| <= 127) in vpmaddubsw, pairs <= 2*128*127;
+  // - AVX2, other 8-bit codes: u as two nibbles.
+  // One pass over both halves at once (each broadcast serving 16 outputs) was faster with the
+  // weights in cache and slower streaming them, as a verify does (docs/native-forward.md).
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+#ifndef ADASPARK_AVXVNNI
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const bool centred = w.bits == 8 && w.zero == 128 && w.halves == 1;
+#else
+  constexpr bool centred = false;
+#endif
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      if (ahead.w && half == 0) prefetch_block(*ahead.w, ahead.g, b);
+      __m256i u[8];
+      unpack_half(w, w.qp + (g * w.nb + b) * w.block_bytes() + 32 * half, u);
+      const auto [dw, mw] = block_scales(w, g, b, 8 * half);
+      __m256i s[R], first[R];  // the block's sums, and those of its first 16 inputs (halves 2)
+      const int8_t* xb[R];
+      for (int i = 0; i < R; ++i) xb[i] = a.q.data() + (r0 + i) * a.k + b * kBlock;
+      auto x_of = [&](int i, int j) { return _mm256_set1_epi32(chunk_of(xb[i] + 4 * j)); };
+#ifdef ADASPARK_AVXVNNI
+      for (int i = 0; i < R; ++i) {  // two chains, one per half block, as on the avx512 path
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          s0 = _mm256_dpbusd_avx_epi32(s0, u[j], x_of(i, j));
+          s1 = _mm256_dpbusd_avx_epi32(s1, u[j + 4], x_of(i, j + 4));
+        }
+        first[i] = s0;
+        s[i] = _mm256_add_epi32(s0, s1);
+      }
+#else
+      if (w.bits == 4) {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_maddubs_epi16(u[0], x_of(i, 0));
+        for (int j = 1; j < 8; ++j)
+          for (int i = 0; i < R; ++i)
+            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(u[j], x_of(i, j)));
+        for (int i = 0; i < R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
+      } else if (w.bits < 8) {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          for (int i = 0; i < R; ++i) {
+            const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(u[j], x_of(i, j)),
+                                               _mm256_maddubs_epi16(u[j + 1], x_of(i, j + 1)));
+            s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(t, ones));
+          }
+          if (j == 2)
+            for (int i = 0; i < R; ++i) first[i] = s[i];
+        }
+      } else if (centred) {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i c = _mm256_xor_si256(u[j], flip);  // the signed c = u - 128
+          const __m256i mag = _mm256_abs_epi8(c);          // -128 gives 0x80: 128 unsigned
+          for (int i = 0; i < R; ++i) {
+            const __m256i sq = _mm256_sign_epi8(x_of(i, j), c);
+            s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sq), ones));
+          }
+        }
+      } else {
+        for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {  // u = 16*hi + lo, each part in 0..15: no saturation
+          const __m256i lo = _mm256_and_si256(u[j], low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(u[j], 4), low4);
+          for (int i = 0; i < R; ++i) {
+            const __m256i sl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_of(i, j)), ones);
+            const __m256i sh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_of(i, j)), ones);
+            s[i] = _mm256_add_epi32(s[i], _mm256_add_epi32(sl, _mm256_slli_epi32(sh, 4)));
+          }
+          if (j == 3)
+            for (int i = 0; i < R; ++i) first[i] = s[i];
+        }
+      }
+#endif
+      for (int i = 0; i < R; ++i)
+        acc[i] = w.halves == 2 ? add_halves(acc[i], first[i], _mm256_sub_epi32(s[i], first[i]), dw,
+                                            mw, w, a, r0 + i, b)
+                               : add_block(acc[i], s[i], dw, mw, w, a, r0 + i, b, centred);
+    }
+    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
+    for (int i = 0; i < R && valid > 0; ++i)
+      vstore_first(y + (r0 + i) * ldy + 16 * g + 8 * half, acc[i], valid);
+  }
+#endif
+}
+
+// One group of a part for every row of a: R rows a pass (the first pass asks for the
+// thread's next group), integer or dense.
+inline void part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
+                      Next ahead) {
+  constexpr int R = 4;
+  auto rows = [&](auto r_const, int64_t r, Next next) {
+    constexpr int n = decltype(r_const)::value;
+    if (w.bits) group_rows<n>(w, a, g, r, y, ldy, next);
+    else dense_rows<n>(w, a, g, r, y, ldy, next);
+  };
+  int64_t r = 0;
+  for (; r + R <= a.rows; r += R, ahead = {}) rows(std::integral_constant<int, R>{}, r, ahead);
+  switch (a.rows - r) {
+    case 3: rows(std::integral_constant<int, 3>{}, r, ahead); break;
+    case 2: rows(std::integral_constant<int, 2>{}, r, ahead); break;
+    case 1: rows(std::integral_constant<int, 1>{}, r, ahead); break;
+    default: break;
+  }
+}
+
+}  // namespace adaspark

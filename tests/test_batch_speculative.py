@@ -1,0 +1,469 @@
+"""Speculative rounds under continuous batching (speculative.RoundDecode in batch.py's Batch) on the
+embedded model, arm `ngram` and the drafting arms (`adaspark,gate`, `adaspark`, with the shipped
+drafter): every running request plans its own tree on the one shared scheduler (drafting on its
+own slot's drafter), all their rows go through one verify call per step (tapping the drafter's
+layers), each accepts and commits its own path to its target and drafter caches. A request's
+tokens equal its solo run's (Speculator.decode) token for token, greedy and seeded, joining and
+leaving at any step; cancellation and a failing request end alone; the shared scheduler learns
+from every request's rounds; the server's worker batches the arms."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from adaspark.drafter.loading import load_drafter
+from adaspark.engine import Engine
+from adaspark.model.tokenizer import Tokenizer
+from adaspark.sampling import SamplingParams
+from adaspark.scheduler.chooser import BandRate
+from adaspark.scheduler.round import Scheduler
+from adaspark.server.worker import EngineWorker, Job, QueueFull
+from adaspark.speculative import RoundDecode, Speculator
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
+PROMPTS = [
+    [{"role": "user", "content": f"Repeat exactly: {SENTENCE} {SENTENCE}"}],
+    [{"role": "user", "content": "List the days of the week, twice."}],
+    [{"role": "user", "content": "Count from 1 to 30, separated by commas."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=5, frequency_penalty=0.3,
+                         logprobs=True)
+
+
+@pytest.fixture()
+def engine(fast_model, model_path):
+    """Arm `ngram` (no drafter) on a fresh scheduler, so what it learns is this test's."""
+    tok = Tokenizer.from_gguf(model_path)
+    spec = Speculator(fast_model, None, Scheduler("ngram"), tok.stop_ids)
+    engine = Engine(fast_model, tok, model_path, spec)
+    engine.reset()
+    yield engine
+    engine.batch.max_slots = 1
+    engine.reset()
+
+
+DRAFTING = ("adaspark,gate", "adaspark")
+
+
+@pytest.fixture(scope="module")
+def drafter(fast_model, model_path):
+    """The shipped drafter on the target's build (the native draft where the target has one)."""
+    return load_drafter(fast_model, model_path)
+
+
+@pytest.fixture(params=DRAFTING)
+def drafting(request, fast_model, model_path, drafter):
+    """A drafting arm on a fresh scheduler and the shipped drafter."""
+    tok = Tokenizer.from_gguf(model_path)
+    spec = Speculator(fast_model, drafter, Scheduler(request.param), tok.stop_ids)
+    engine = Engine(fast_model, tok, model_path, spec)
+    engine.reset()
+    yield engine
+    engine.batch.max_slots = 1
+    engine.reset()
+
+
+def solo(engine, prompt, **kw):
+    """The request alone, from an empty cache, through Speculator.decode (not the batch)."""
+    engine.reset()
+    return engine.generate(prompt, **kw)
+
+
+def together(engine, requests, joins=None, on_step=None):
+    """The requests (new_decode kwargs, "messages" for the prompt) in one batch from empty
+    slots; request i joins at step joins[i]. Returns their Decodes and each verify call's rows
+    per sequence."""
+    engine.reset()
+    engine.batch.max_slots = len(requests)
+    joins = joins or [0] * len(requests)
+    seqs = [engine.new_decode(engine.tokenizer.encode_chat(r.pop("messages")), **r)
+            for r in requests]
+    assert all(isinstance(seq, RoundDecode) for seq in seqs)
+    calls: list[list[int]] = []
+    verify_many = engine.target.verify_many
+
+    def spy(caches, rows, **kw):  # each call's rows per sequence; runs the real one
+        calls.append([len(r[0]) for r in rows])
+        return verify_many(caches, rows, **kw)
+
+    engine.target.verify_many = spy
+    step, ended = 0, []
+    try:
+        while step <= max(joins) or engine.batch.running:
+            for seq, join in zip(seqs, joins, strict=True):
+                if join == step:
+                    assert engine.batch.add(seq)
+            before = len(calls)
+            ended += engine.batch.step()
+            assert len(calls) - before <= 1  # every running request's rows in one call
+            if on_step is not None:
+                on_step(step)
+            step += 1
+    finally:
+        del engine.target.verify_many
+    assert sorted(map(id, ended)) == sorted(map(id, seqs))  # each step() reports who ended
+    return seqs, calls
+
+
+def same(got, want):
+    return (got.token_ids, got.text, got.finish_reason, got.stop_token_id) == (
+        want.token_ids, want.text, want.finish_reason, want.stop_token_id)
+
+
+def test_greedy_rounds_beside_others_equal_their_solo_runs(engine):
+    caps = (40, 32, 24, 16)
+    want = [solo(engine, p, max_tokens=n) for p, n in zip(PROMPTS, caps, strict=True)]
+    traces: list = []
+    engine.speculator.round_hook = traces.append
+    seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
+                                    for p, n in zip(PROMPTS, caps, strict=True)],
+                           joins=[0, 0, 3, 6])
+    got = [engine.result(seq) for seq in seqs]
+    assert all(same(g, w) for g, w in zip(got, want, strict=True))
+    assert max(len(c) for c in calls) == 4  # they ran side by side
+    # a shared call verified some request's n-gram tree, and a batched round took >1 token
+    assert any(len(c) > 1 and max(c) > 1 for c in calls)
+    assert max(len(t.emitted) for t in traces) >= 3
+    assert sum(g.timings.ngram_rounds for g in got) > 0
+    assert sum(g.timings.accepted_tokens for g in got) > 0
+    for seq in seqs:  # every slot holds exactly its request's committed ids
+        assert seq.slot.kv.length == len(seq.slot.ids)
+        assert seq.slot.ids[:len(seq.prompt)] == seq.prompt
+
+
+def test_seeded_sampling_beside_others_equals_its_solo_run(engine):
+    want = [solo(engine, PROMPTS[0], max_tokens=24, sampling=SAMPLED),
+            solo(engine, PROMPTS[1], max_tokens=16),
+            solo(engine, PROMPTS[3], max_tokens=16, sampling=SAMPLED)]
+    seqs, _ = together(engine, [
+        {"messages": PROMPTS[0], "max_tokens": 24, "sampling": SAMPLED},
+        {"messages": PROMPTS[1], "max_tokens": 16},
+        {"messages": PROMPTS[3], "max_tokens": 16, "sampling": SAMPLED}], joins=[0, 2, 4])
+    got = [engine.result(seq) for seq in seqs]
+    assert all(same(g, w) for g, w in zip(got, want, strict=True))
+    assert got[0].logprobs == want[0].logprobs and got[0].seed == want[0].seed
+    assert [e["id"] for e in got[2].logprobs] == got[2].token_ids
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_step(engine):
+    want = [solo(engine, p, max_tokens=24) for p in PROMPTS[:2]]
+    stop = threading.Event()
+    running = []
+    seqs, _ = together(engine, [{"messages": PROMPTS[0], "max_tokens": 24},
+                                {"messages": PROMPTS[2], "max_tokens": 200,
+                                 "should_stop": stop.is_set},
+                                {"messages": PROMPTS[1], "max_tokens": 24}],
+                       on_step=lambda step: (stop.set() if step == 4 else None,
+                                             running.append(len(engine.batch.running))))
+    cancelled = engine.result(seqs[1])
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
+    assert seqs[1] not in engine.batch.running and running[5] == 2  # gone at the next step
+    assert seqs[1].request.anchor is None  # the scheduler ended its request
+    assert same(engine.result(seqs[0]), want[0]) and same(engine.result(seqs[2]), want[1])
+
+
+def test_a_failing_request_fails_alone(engine):
+    want = solo(engine, PROMPTS[0], max_tokens=24)
+
+    def broken(text):
+        raise OSError("the client's stream broke")
+
+    seqs, _ = together(engine, [{"messages": PROMPTS[0], "max_tokens": 24},
+                                {"messages": PROMPTS[1], "max_tokens": 24, "on_text": broken}])
+    assert isinstance(seqs[1].error, OSError) and seqs[1].request.anchor is None
+    assert seqs[1].slot.ids == [] and seqs[1].slot.kv.length == 0  # its slot forgot the round
+    assert seqs[0].error is None and same(engine.result(seqs[0]), want)
+
+
+def test_the_shared_scheduler_learns_from_every_requests_rounds(engine):
+    sched = engine.speculator.scheduler
+    solo(engine, PROMPTS[0], max_tokens=24)  # measures the plain step the arm starts from
+    rows4 = next(k for k in sched.cost.classes if k.top == 4).law.samples
+    records: list[dict] = []
+    engine.speculator.observers.append(lambda row, plan: records.append(row))
+    rounds_before = sum(sched.width_rounds.values())
+    seqs, calls = together(engine, [{"messages": p, "max_tokens": 24, "request_id": f"r{i}"}
+                                    for i, p in enumerate(PROMPTS)])
+    counted = [s.timing.plain_rounds + s.timing.ngram_rounds for s in seqs]
+    assert [sum(r["request"] == f"r{i}" for r in records) for i in range(4)] == counted
+    assert sum(sched.width_rounds.values()) - rounds_before == sum(counted)
+    assert all(c > 0 for c in counted)
+    # the calls of four plain rows taught the 4-row class's price (the call's total rows)
+    four_plain = sum(c == [1, 1, 1, 1] for c in calls[1:])
+    assert four_plain > 0
+    assert next(k for k in sched.cost.classes if k.top == 4).law.samples > rows4
+    assert all(seq.request.anchor is None for seq in seqs) and sched.request is None
+
+
+def held_rate(tokens: float, time_ms: float) -> BandRate:
+    """A long-run rate far past what the step's rounds add to it, so it holds for the test."""
+    rate = BandRate()
+    rate.tokens, rate.time, rate.rounds = tokens, time_ms, 10**6
+    return rate
+
+
+def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_zero(engine):
+    caps = (40, 32, 24)
+    want = [solo(engine, p, max_tokens=n) for p, n in zip(PROMPTS[:3], caps, strict=True)]
+    sched = engine.speculator.scheduler
+    cut, cuts = sched.cut, []
+    sched.cut = lambda plan, keep, **kw: cuts.append((plan.rows, keep)) or cut(plan, keep, **kw)
+
+    def run(tokens: float, time_ms: float):
+        engine.speculator.step_rate = held_rate(tokens, time_ms)
+        cuts.clear()
+        seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
+                                        for p, n in zip(PROMPTS[:3], caps, strict=True)])
+        assert all(same(engine.result(s), w) for s, w in zip(seqs, want, strict=True))
+        return calls
+
+    def extra_rows(calls) -> float:  # rows past the plain ones, per shared call
+        shared = [c for c in calls if len(c) > 1]
+        return sum(sum(c) - len(c) for c in shared) / len(shared)
+
+    try:
+        # tokens per ms that only a free row pays for (the price of the class that holds the
+        # plain rows already): the planned trees are cut
+        high = run(1e12, 1.0)
+        assert cuts and all(keep < rows - 1 for rows, keep in cuts)
+        # a rate of zero: every planned candidate pays, each request verifies its own plan
+        zero = run(0.0, 1e12)
+        assert cuts == [] and extra_rows(zero) > extra_rows(high)
+    finally:
+        del sched.cut
+
+
+def test_the_worker_batches_the_ngram_arm(engine):
+    want = [solo(engine, p, max_tokens=16).token_ids for p in PROMPTS[:3]]
+    engine.reset()
+    widths = []
+    verify_many = engine.target.verify_many
+
+    def spy(caches, rows, **kw):
+        widths.append(len(rows))
+        return verify_many(caches, rows, **kw)
+
+    engine.target.verify_many = spy
+    gate = threading.Event()
+
+    def load():
+        gate.wait(timeout=60)
+        return engine
+
+    worker = EngineWorker(load, parallel=3, queue_limit=0)
+    try:
+        jobs = [Job(engine.tokenizer.encode_chat(p), 16, []) for p in PROMPTS[:3]]
+        futures = [worker.submit(job) for job in jobs]
+        with pytest.raises(QueueFull):  # 3 running + 0 waiting: a fourth is refused
+            worker.submit(Job([1, 2, 3], 4, []))
+        gate.set()
+        results = [f.result(timeout=300) for f in futures]
+    finally:
+        del engine.target.verify_many
+        worker.close()
+    assert [r.token_ids for r in results] == want
+    assert max(widths) == 3  # the three ran side by side
+
+
+# --- the drafting arms -------------------------------------------------------------------------
+def drafted_beside_others(engine) -> list:
+    """A round hook: the drafted rounds of a step that ran two or more requests, as (rows,
+    tokens the reply took)."""
+    rounds: list = []
+
+    def hook(trace):
+        if trace.plan.drafted and trace.plan.rows > 1 and len(engine.batch.running) > 1:
+            rounds.append((trace.plan.rows, len(trace.emitted)))
+
+    engine.speculator.round_hook = hook
+    return rounds
+
+
+def assert_slots_aligned(engine) -> None:
+    """Every slot has its own drafter, as long as its target cache and its ids."""
+    slots = engine.batch.slots
+    assert len({id(slot.drafter) for slot in slots}) == len(slots)
+    for slot in slots:
+        assert slot.drafter.length == slot.kv.length == len(slot.ids)
+
+
+def assert_verify_many_is_each_verify_alone(target, taps=(1, 14, 27)) -> None:
+    caches = [target.new_cache() for _ in range(3)]
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17]]
+    rows = [([5, 6], [0, 1], [[True, False], [True, True]]), ([9], [0], [[True]]),
+            ([17, 18, 19], [0, 1, 1], [[True, False, False], [True, True, False],
+                                       [True, False, True]])]
+    for cache, prompt in zip(caches, prompts, strict=True):
+        with target.using(cache):
+            target.prefill(prompt[:-1])
+    out = target.verify_many(caches, rows, tap_layers=taps, return_logits=True)
+    assert sorted(out.hiddens) == list(taps)
+    at = 0
+    for cache, (tokens, depths, mask) in zip(caches, rows, strict=True):
+        with target.using(cache):
+            alone = target.verify(tokens, depths, mask, taps, return_logits=True)
+        n, at = len(tokens), at + len(tokens)
+        for layer in taps:
+            assert torch.equal(out.hiddens[layer][at - n:at], alone.hiddens[layer])
+        assert torch.equal(out.argmax[at - n:at], alone.argmax)
+        assert torch.equal(out.logits[at - n:at], alone.logits)
+
+
+def test_verify_many_taps_each_sequences_rows_as_its_verify_alone(fast_model, monkeypatch):
+    """The drafters' features come from verify_many's hiddens: every sequence's rows (taps,
+    argmax, logits) bit-identical to its verify alone over its own cache; also where the
+    kernel table runs a sequence's width on another kernel than the native forward."""
+    if fast_model.native is None:
+        pytest.skip("no native forward here")
+    assert_verify_many_is_each_verify_alone(fast_model)
+    native = fast_model.kernels.choose(1)
+    monkeypatch.setattr(fast_model.kernels, "best", {2: native})  # 3 rows: bf16 alone
+    assert fast_model.kernels.choose(3) == "bf16"
+    assert_verify_many_is_each_verify_alone(fast_model)
+
+
+def test_a_forked_drafter_keeps_its_own_feature_cache(fast_model, drafter):
+    drafter.reset()
+    other = drafter.fork()
+    assert other.native is drafter.native and other.model is drafter.model  # shared weights
+    with fast_model.using(fast_model.new_cache()):
+        out = fast_model.prefill([1, 2, 3, 4], tap_layers=drafter.tap_layers)
+    other.observe(out.hiddens)
+    block = other.draft(4)
+    assert (other.length, drafter.length) == (4, 0)
+    assert len(block.picks) == other.block_size
+    other.reset()
+
+
+def test_drafting_rounds_beside_others_equal_their_solo_runs(drafting):
+    caps = (40, 32, 24, 16)
+    want = [solo(drafting, p, max_tokens=n) for p, n in zip(PROMPTS, caps, strict=True)]
+    rounds = drafted_beside_others(drafting)
+    seqs, calls = together(drafting, [{"messages": p, "max_tokens": n}
+                                      for p, n in zip(PROMPTS, caps, strict=True)],
+                           joins=[0, 1, 3, 6])
+    got = [drafting.result(seq) for seq in seqs]
+    assert all(same(g, w) for g, w in zip(got, want, strict=True))
+    assert max(len(c) for c in calls) == 4  # they ran side by side
+    # drafted trees verified in shared calls, and one of them took more than one token
+    assert rounds and max(taken for _, taken in rounds) >= 2
+    assert sum(g.timings.draft_rounds for g in got) >= len(rounds)
+    assert_slots_aligned(drafting)
+    assert all(seq.slot.ids[:len(seq.prompt)] == seq.prompt for seq in seqs)  # a slot each
+
+
+def test_drafting_seeded_sampling_beside_others_equals_its_solo_run(drafting):
+    want = [solo(drafting, PROMPTS[0], max_tokens=24, sampling=SAMPLED),
+            solo(drafting, PROMPTS[1], max_tokens=16),
+            solo(drafting, PROMPTS[3], max_tokens=16, sampling=SAMPLED)]
+    rounds = drafted_beside_others(drafting)
+    seqs, _ = together(drafting, [
+        {"messages": PROMPTS[0], "max_tokens": 24, "sampling": SAMPLED},
+        {"messages": PROMPTS[1], "max_tokens": 16},
+        {"messages": PROMPTS[3], "max_tokens": 16, "sampling": SAMPLED}], joins=[0, 2, 4])
+    got = [drafting.result(seq) for seq in seqs]
+    assert all(same(g, w) for g, w in zip(got, want, strict=True))
+    assert got[0].logprobs == want[0].logprobs and got[0].seed == want[0].seed
+    assert got[2].logprobs == want[2].logprobs
+    assert rounds  # drafted rounds in shared calls
+    assert_slots_aligned(drafting)
+
+
+def test_a_cancelled_drafting_request_frees_its_slot_at_the_next_step(drafting):
+    want = [solo(drafting, p, max_tokens=40) for p in PROMPTS[:2]]
+    stop = threading.Event()
+    running: list[set] = []  # after each step, who runs
+
+    def on_step(step):
+        if step == 2:
+            stop.set()
+        running.append({id(seq) for seq in drafting.batch.running})
+
+    seqs, _ = together(drafting, [{"messages": PROMPTS[0], "max_tokens": 40},
+                                  {"messages": PROMPTS[2], "max_tokens": 200,
+                                   "should_stop": stop.is_set},
+                                  {"messages": PROMPTS[1], "max_tokens": 40}], on_step=on_step)
+    cancelled = drafting.result(seqs[1])
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 200
+    assert id(seqs[1]) in running[2] and id(seqs[1]) not in running[3]  # gone at the next step
+    assert seqs[1].request.anchor is None  # the scheduler ended its request
+    assert same(drafting.result(seqs[0]), want[0]) and same(drafting.result(seqs[2]), want[1])
+    assert_slots_aligned(drafting)
+
+
+def test_a_failing_drafting_request_fails_alone(drafting):
+    want = solo(drafting, PROMPTS[0], max_tokens=24)
+
+    def broken(text):
+        raise OSError("the client's stream broke")
+
+    seqs, _ = together(drafting, [{"messages": PROMPTS[0], "max_tokens": 24},
+                                  {"messages": PROMPTS[1], "max_tokens": 24, "on_text": broken}])
+    assert isinstance(seqs[1].error, OSError) and seqs[1].request.anchor is None
+    slot = seqs[1].slot  # it forgot the round: target, drafter and ids
+    assert (slot.ids, slot.kv.length, slot.drafter.length) == ([], 0, 0)
+    assert seqs[0].error is None and same(drafting.result(seqs[0]), want)
+
+
+def test_the_worker_batches_a_drafting_arm(drafting):
+    want = [solo(drafting, p, max_tokens=16).token_ids for p in PROMPTS[:3]]
+    drafting.reset()
+    widths = []
+    verify_many = drafting.target.verify_many
+
+    def spy(caches, rows, **kw):
+        widths.append(len(rows))
+        return verify_many(caches, rows, **kw)
+
+    drafting.target.verify_many = spy
+    gate = threading.Event()
+
+    def load():
+        gate.wait(timeout=60)
+        return drafting
+
+    worker = EngineWorker(load, parallel=3, queue_limit=0)
+    try:
+        futures = [worker.submit(Job(drafting.tokenizer.encode_chat(p), 16, []))
+                   for p in PROMPTS[:3]]
+        gate.set()
+        results = [f.result(timeout=300) for f in futures]
+    finally:
+        del drafting.target.verify_many
+        worker.close()
+    assert [r.token_ids for r in results] == want
+    assert max(widths) == 3  # the three ran side by side
+    assert sum(r.timings.draft_rounds for r in results) > 0
+
+
+def test_beside_others_a_round_drafts_only_where_the_step_price_pays(drafting, monkeypatch):
+    """Where every row past the step's plain ones costs more than a token at the batch's rate,
+    no tree pays: only a request's first round and a bucket's first draft (which teaches the
+    tree a draft makes there) draft; where rows are free at a rate near zero, more do. Tokens
+    equal the solo runs either way."""
+    caps = (40, 32, 24)
+    want = [solo(drafting, p, max_tokens=n) for p, n in zip(PROMPTS[:3], caps, strict=True)]
+    sched, drafts = drafting.speculator.scheduler, []
+    draft = RoundDecode._draft
+    monkeypatch.setattr(RoundDecode, "_draft", lambda self: drafts.append(1) or draft(self))
+
+    def run(step_ms, tokens: float, time_ms: float) -> int:
+        monkeypatch.setattr(sched, "step_price", lambda rows, context: step_ms(rows))
+        drafting.speculator.step_rate = held_rate(tokens, time_ms)
+        drafts.clear()
+        seqs, _ = together(drafting, [{"messages": p, "max_tokens": n}
+                                      for p, n in zip(PROMPTS[:3], caps, strict=True)])
+        assert all(same(drafting.result(s), w) for s, w in zip(seqs, want, strict=True))
+        return len(drafts)
+
+    # 3 plain rows at 10 ms each, 0.1 tokens per ms: a row past them costs 10 tokens' time
+    expensive = run(lambda rows: 10.0 * rows if rows <= 3 else 1e3 * rows, 3.0, 30.0)
+    assert expensive <= 3 + 6  # first rounds, then at most one a bucket (5 and the first's)
+    cheap = run(lambda rows: 30.0, 1e-9, 1.0)
+    assert cheap > expensive  # the paced gate arm from a fresh store drafts little anyway

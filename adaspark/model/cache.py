@@ -10,9 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from adaspark.errors import UserError
+
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str):
+    """Zeros; on the CPU from calloc (numpy's zeros), whose large blocks the OS maps in only
+    when first written: a cache costs memory as its context fills, not the whole context at
+    load (torch.zeros writes every page)."""
+    if torch.device(device).type == "cpu" and dtype in _NUMPY:
+        return torch.from_numpy(np.zeros(shape, _NUMPY[dtype]))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KVCache:
@@ -20,8 +32,8 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu", batch: int = 1):
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
         # zeros, not empty: masked-out slots still enter the reference attention as 0 * value
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)
+        self.v = lazy_zeros(shape, dtype, device)
         self.capacity = capacity
         self.length = 0  # committed tokens (single-sequence use)
 

@@ -33,10 +33,12 @@ Layout choices:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -88,7 +90,10 @@ class Weights:
     """Looks up GGUF tensors of one model, dequantised or as stored."""
 
     def __init__(self, f: GGUFFile, config: ModelConfig, device: torch.device):
-        self.f, self.config, self.device = f, config, device
+        # the tensors and the mapping only: the metadata (a vocabulary's strings) is the
+        # tokenizer's to keep, and the lazy torch-path weights keep this
+        self.f = dataclasses.replace(f, metadata={})
+        self.config, self.device = config, device
         self.pair_rows = config.traits.pair_rope_rows
 
     def raw(self, name: str, heads: int | None = None) -> GGUFTensor:
@@ -118,11 +123,14 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 class Block:
     """One decoder layer's weights and parts: what its architecture has (None where not), its
-    attention window (0: global) and which RoPE table it rotates by."""
+    attention window (0: global) and which RoPE table it rotates by. Its projections (qkv, o,
+    gate_up, down) are made when first used: the native forward packs the GGUF tensors itself,
+    and qwen's rotary row order is a copy of q and k that it should not keep."""
 
     def __init__(self, w: Weights, i: int, precision: str, rope_index: int):
-        c, dev = w.config, w.device
+        c = w.config
         p = f"blk.{i}."
+        self._w, self._p, self._precision = w, p, precision
         self.window, self.rope = c.windows[i], rope_index
         self.act = ACTIVATIONS[c.traits.ffn_act]
         self.attn_norm = w.dense(p + "attn_norm.weight")
@@ -133,17 +141,34 @@ class Block:
         self.post_ffn_norm = w.dense(p + "post_ffw_norm.weight") if post else None
         biases = [w.optional(p + "attn_q.bias", c.n_heads),
                   w.optional(p + "attn_k.bias", c.n_kv_heads), w.optional(p + "attn_v.bias")]
-        bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        self.qkv = Linear([w.raw(p + "attn_q.weight", c.n_heads),
-                           w.raw(p + "attn_k.weight", c.n_kv_heads),
-                           w.raw(p + "attn_v.weight")], precision, dev, bias)
+        self.qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
         norm = w.dense if c.qk_norm else w.optional  # per head_dim, in rotary order
         self.q_norm = norm(p + "attn_q_norm.weight", 1)
         self.k_norm = norm(p + "attn_k_norm.weight", 1)
-        self.o = Linear([w.raw(p + "attn_output.weight")], precision, dev)
-        self.gate_up = Linear([w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")],
-                              precision, dev)
-        self.down = Linear([w.raw(p + "ffn_down.weight")], precision, dev)
+
+    def _linear(self, names: Sequence[str], heads: Sequence[int | None],
+                bias: torch.Tensor | None = None) -> Linear:
+        w = self._w
+        return Linear([w.raw(self._p + n, h) for n, h in zip(names, heads, strict=True)],
+                      self._precision, w.device, bias)
+
+    @cached_property
+    def qkv(self) -> Linear:
+        c = self._w.config
+        return self._linear(["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+                            [c.n_heads, c.n_kv_heads, None], self.qkv_bias)
+
+    @cached_property
+    def o(self) -> Linear:
+        return self._linear(["attn_output.weight"], [None])
+
+    @cached_property
+    def gate_up(self) -> Linear:
+        return self._linear(["ffn_gate.weight", "ffn_up.weight"], [None, None])
+
+    @cached_property
+    def down(self) -> Linear:
+        return self._linear(["ffn_down.weight"], [None])
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -258,11 +283,8 @@ class Transformer:
         self.device = torch.device(device)
         embd = f.tensors.get("token_embd.weight")
         self.config = c = ModelConfig.from_metadata(f.metadata, embd.shape[0] if embd else None)
-        w = Weights(f, c, self.device)
+        self._weights = w = Weights(f, c, self.device)
         self.act_dtype = torch.float32 if self.exact else torch.bfloat16
-
-        self.tok_embeddings = torch.from_numpy(w.raw("token_embd.weight").dequantize()).to(
-            self.device)  # float32 for both precisions: lookups are cheap, the drafter reads it
         # RoPE (base, linear factor) per layer: Gemma's local layers have their own base
         rope_keys = [(c.layer_rope_theta(i), 1.0 if c.windows[i] else c.rope_factor)
                      for i in range(c.n_layers)]
@@ -273,13 +295,16 @@ class Transformer:
         self.norm = w.dense("output_norm.weight")
         head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"  # tied
         self.output = Linear([w.raw(head)], precision, self.device)
-        self.head_fp32 = self.tok_embeddings if head == "token_embd.weight" else None
+        self.tied = head == "token_embd.weight"
+        self._embedding_rows = None  # the native embedding lookup, when the native forward runs
 
         capacity = max_context or min(c.context_length, DEFAULT_MAX_CONTEXT)
         self._rope_tables(w.optional("rope_freqs.weight"), capacity, rope_kinds)
         self.native_isa: str | None = None
         self.native_module = None  # the build's module, when the native forward runs
         self.native, self.native_note = self._native_model(w, head)
+        if self.native is not None:  # packed: the file's pages are read again only if the
+            f.release_pages()  # torch path is ever built
         # the native forward keeps K/V in fp16 (half the bytes to read at long contexts)
         self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity,
                              torch.float32 if self.native is None else torch.float16, self.device)
@@ -333,21 +358,23 @@ class Transformer:
         if c.head_dim not in (32, 64, 128, 256) or c.dim % 16:  # attention's register blocking
             return None, ("the native forward needs head_dim 32, 64, 128 or 256 and dim a "
                           "multiple of 16")
-        head_f32 = (self.tok_embeddings if head == "token_embd.weight"
-                    else torch.from_numpy(w.raw(head).dequantize()))
+        packed_head = native.pack(module, [w.raw(head)])
+        embeddings = packed_head if head == "token_embd.weight" else \
+            native.pack_embeddings(module, w.raw("token_embd.weight"))
+        bounds, norms = native.error_scales(w.raw(head)), native.packed_row_norms(packed_head)
+        w.f.release_pages({head, "token_embd.weight"})  # packed: the mapped pages are copies
         model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
-                             self.rope_cos, self.rope_sin, self.tok_embeddings, self.norm,
-                             native.pack(module, [w.raw(head)]), head_f32,
-                             native.error_scales(w.raw(head)), native.row_norms(head_f32),
-                             self.embed_scale, c.attn_scale)
+                             self.rope_cos, self.rope_sin, embeddings, self.norm, packed_head,
+                             bounds, norms, self.embed_scale, c.attn_scale)
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
+            bias = layer.qkv_bias  # rounded to bf16 as the torch path's Linear keeps it
             model.add_layer(
                 layer.attn_norm, layer.ffn_norm,
                 empty if layer.q_norm is None else layer.q_norm,
                 empty if layer.k_norm is None else layer.k_norm,
-                empty if layer.qkv.bias is None else layer.qkv.bias.float(),
+                empty if bias is None else bias.to(torch.bfloat16).float(),
                 native.pack(module, [w.raw(p + "attn_q.weight", c.n_heads),
                                      w.raw(p + "attn_k.weight", c.n_kv_heads),
                                      w.raw(p + "attn_v.weight")]),
@@ -355,7 +382,9 @@ class Transformer:
                 native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
                 native.pack(module, [w.raw(p + "ffn_down.weight")]),
                 **self._native_parts(layer))
+            w.f.release_pages(n for n in names if n.startswith(p))
         self.native_isa, self.native_module = module.ISA, module
+        self._embedding_rows, self._head_rows = embeddings.rows, packed_head.rows
         return model, ""
 
     def _native_parts(self, layer: Block) -> dict:
@@ -382,8 +411,19 @@ class Transformer:
 
     # --- forward -----------------------------------------------------------------------------
 
+    @cached_property
+    def tok_embeddings(self) -> torch.Tensor:
+        """float32 [vocab, dim], gguf's dequantised table: made when the torch path first needs
+        it (the native forward looks rows up in the packed table instead)."""
+        return torch.from_numpy(self._weights.raw("token_embd.weight").dequantize()).to(
+            self.device)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Input embeddings, float32 [..., dim]."""
+        """Input embeddings, float32 [..., dim] (the drafter reads them): with the native
+        forward, rows decoded from the packed table, the same values as tok_embeddings'."""
+        if self._embedding_rows is not None:
+            rows = self._embedding_rows(self._tokens(tokens.reshape(-1)))
+            return rows.view(*tokens.shape, self.config.dim)
         return self.tok_embeddings[tokens.to(self.device)]
 
     @torch.no_grad()  # not inference_mode: taps may later feed a drafter being trained
@@ -403,7 +443,7 @@ class Transformer:
                          sin[positions].unsqueeze(-2), exact) for cos, sin in self.rope_tables]
         views = {w: self._view(w, positions, slots, mask, span, tree)
                  for w in {layer.window for layer in self.layers}}
-        x = self.tok_embeddings[tokens].view(b * n, c.dim)
+        x = self.embed(tokens).view(b * n, c.dim)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         hiddens = {}
@@ -506,16 +546,21 @@ class Transformer:
         (at least two bf16 steps), so the argmax is a float32 one."""
         top = logits.max(-1, keepdim=True).values
         row, col = (logits >= top - top.abs() * 2**-6).nonzero().unbind(1)
-        weights = self.head_fp32[col] if self.head_fp32 is not None else \
-            self.output.bf16[col].float()
+        if not self.tied:
+            weights = self.output.bf16[col].float()
+        elif self._embedding_rows is not None:  # the packed head's rows: tok_embeddings' values
+            weights = self._head_rows(col)
+        else:
+            weights = self.tok_embeddings[col]
         logits[row, col] = (rows[row] * weights).sum(-1)
         return logits
 
-    def _tokens(self, tokens: Sequence[int]) -> torch.Tensor:
-        t = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.tok_embeddings.shape[0]):
-            raise UserError(f"token id out of range for a vocabulary of "
-                            f"{self.tok_embeddings.shape[0]}")
+    def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(tokens if isinstance(tokens, torch.Tensor) else list(tokens),
+                            dtype=torch.long, device=self.device)
+        vocab = self._weights.raw("token_embd.weight").shape[0]
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise UserError(f"token id out of range for a vocabulary of {vocab}")
         return t
 
     def _rows(self, tokens: Sequence[int], depths: torch.Tensor, ancestors: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cache
 from types import ModuleType
 
@@ -25,6 +25,9 @@ from adaspark.model.native.paths import BUILD_DIR, PREFERENCE, module_name, sour
 
 Q = GGMLQuantizationType
 GROUP = 32
+# Values a chunk of rows holds while being packed or measured (a multiple of 16 rows): the
+# temporaries are a few times a chunk, not a few times a vocabulary.
+CHUNK_VALUES = 1 << 18
 PACKABLE = (*blocks.INTEGER, *blocks.DENSE)
 # what each build was compiled for (paths.ISA_FLAGS), as /proc/cpuinfo names it
 _CPU_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
@@ -100,13 +103,38 @@ def pack(module: ModuleType, tensors: Sequence[GGUFTensor]):
 
 def pack_blocks(module: ModuleType, parts: Sequence[Blocks]):
     """One QWeight for weights in unsigned-block form fused along their outputs."""
-    return module.QWeight([_integer_part(module, p) for p in parts])
+    return module.QWeight([_integer_part(module, len(p[1]), [p]) for p in parts])
+
+
+def pack_embeddings(module: ModuleType, t: GGUFTensor):
+    """The embedding table as a QWeight whose rows() are its gguf values: packed where the
+    kernels take its type, else its float32 values as a dense part."""
+    if packable([t]):
+        return pack(module, [t])
+    values = t.dequantize()
+    return module.QWeight([_dense_part(module, values, [values])])
+
+
+def _chunk_rows(k: int) -> int:
+    return max(16, CHUNK_VALUES // max(k, 1) // 16 * 16)
+
+
+def row_chunks(t: GGUFTensor, rows: int | None = None) -> Iterator[GGUFTensor]:
+    """t as consecutive tensors of `rows` rows (default: about CHUNK_VALUES values, whole
+    groups of 16), views of its data."""
+    n, k = t.shape
+    rows = rows or _chunk_rows(k)
+    data = np.asarray(t.data).reshape(n, -1)
+    for r in range(0, n, rows):
+        yield GGUFTensor(t.name, t.qtype, (min(rows, n - r), k), data[r:r + rows])
 
 
 def _part(module: ModuleType, t: GGUFTensor):
     if t.qtype in blocks.DENSE:
-        return _dense_part(module, blocks.dense_values(t))
-    return _integer_part(module, unsigned_blocks(t), blocks.k_factors(t))
+        return _dense_part(module, blocks.dense_values(t),
+                           (blocks.dense_values(c) for c in row_chunks(t)))
+    return _integer_part(module, t.shape[0], (unsigned_blocks(c) for c in row_chunks(t)),
+                         blocks.k_factors(t))
 
 
 def _by_groups(a: np.ndarray) -> tuple[np.ndarray, int]:
@@ -116,11 +144,17 @@ def _by_groups(a: np.ndarray) -> tuple[np.ndarray, int]:
     return a.reshape(len(a) // 16, 16, *a.shape[1:]), len(a) // 16
 
 
-def _dense_part(module: ModuleType, w: np.ndarray):
-    """Dense weights [n, k] in fdot.h's layout: [groups, k, 16]."""
+def _dense_part(module: ModuleType, w: np.ndarray, chunks: Iterable[np.ndarray]):
+    """Dense weights [n, k] in fdot.h's layout: [groups, k, 16], from w's rows in chunks of
+    whole groups."""
     n, k = w.shape
-    g, _ = _by_groups(w)
-    q = torch.from_numpy(np.ascontiguousarray(g.transpose(0, 2, 1)).reshape(-1))
+    out = np.empty(((n + 15) // 16, k, 16), w.dtype)
+    at = 0
+    for c in chunks:
+        g, groups = _by_groups(c)
+        out[at:at + groups] = g.transpose(0, 2, 1)
+        at += groups
+    q = torch.from_numpy(out.reshape(-1))
     if w.dtype == np.uint16:  # bf16 bits
         q = q.view(torch.int16).view(torch.bfloat16)
     return module.QPart(n, k, q)
@@ -136,24 +170,41 @@ def _zero(d: np.ndarray, m: np.ndarray, bits: int) -> int:
     return z if np.array_equal(m, -np.float32(z) * d) else 0
 
 
-def _integer_part(module: ModuleType, b: Blocks, factors: blocks.Factors | None = None):
-    """One type's blocks in kernels' layout (qweight.h): groups of 16 outputs, per block 8
-    chunks of 4 inputs x 16 outputs; scales [groups, blocks, halves, 16]: K-quants' as their
-    factors (an fp16 per 8 blocks times small integers per block), others fp16 where every one
-    is exactly an fp16, else float32."""
-    bits, u, d, m = b
-    n, nb, _ = u.shape
-    halves = 2 if d.ndim == 3 else 1
-    d, m = (a.reshape(n, nb, halves).astype(np.float32) for a in (d, m))
-    zero = _zero(d, m, bits)
-    if halves == 2 and not zero:
-        raise ValueError("scales per half block need m = -zero*d")
+def _codes(u: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [n, nb, 32] as qweight.h stores them: [groups, nb, block bytes / 16]."""
+    _, nb, _ = u.shape
+    if int(u.max(initial=0)) >= 1 << bits:
+        raise ValueError(f"codes over {bits} bits")
     ug, groups = _by_groups(u)
     # [group, out16, block, chunk8, 4] -> [group, block, chunk8, out16, 4]
     chunks = ug.reshape(groups, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8, 64)
-    if int(u.max(initial=0)) >= 1 << bits:
-        raise ValueError(f"codes over {bits} bits")
     q = chunks if bits == 8 else _nibble_planes(chunks, bits)
+    return q.reshape(groups, nb, -1)
+
+
+def _integer_part(module: ModuleType, n: int, parts: Iterable[Blocks],
+                  factors: blocks.Factors | None = None):
+    """One type's blocks (given as consecutive chunks of whole groups of 16 rows, n rows in
+    all) in kernels' layout (qweight.h): groups of 16 outputs, per block 8 chunks of 4 inputs
+    x 16 outputs; scales [groups, blocks, halves, 16]: K-quants' as their factors (an fp16 per
+    8 blocks times small integers per block), others fp16 where every one is exactly an fp16,
+    else float32."""
+    q, ds, ms, at = None, [], [], 0
+    for bits, u, d, m in parts:
+        codes = _codes(u, bits)
+        if q is None:
+            q = np.empty(((n + 15) // 16, *codes.shape[1:]), np.uint8)
+        q[at:at + len(codes)] = codes
+        at += len(codes)
+        ds.append(d)
+        ms.append(m)
+    nb = q.shape[1]
+    halves = 2 if ds[0].ndim == 3 else 1
+    d, m = (np.concatenate(a).reshape(n, nb, halves).astype(np.float32) for a in (ds, ms))
+    del ds, ms
+    zero = _zero(d, m, bits)
+    if halves == 2 and not zero:
+        raise ValueError("scales per half block need m = -zero*d")
     scales = [_scale_layout(a) for a in (d, m)]
     with np.errstate(over="ignore"):  # a scale past fp16's range: float32 then
         exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in scales)
@@ -213,17 +264,14 @@ def _per_element(b: Blocks) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(d, 16, axis=-1), np.repeat(m, 16, axis=-1)
 
 
-def error_scales(t: GGUFTensor, rows: int = 2048) -> torch.Tensor:
+def error_scales(t: GGUFTensor, rows: int | None = None) -> torch.Tensor:
     """[2, blocks] float32: per block, the largest sum of |w| over the outputs (the int8
     rounding of half a step per input costs at most that much per unit step) and the largest
     sum of |d*u| + |m| (what float rounding scales with). Their use: target.h's head. A dense
     weight's float32 chains (k/2 + 1 roundings of their terms) fit that formula's budget with
     4 times the sum of |w| in the second place. Taken `rows` outputs at a time: a vocabulary's
     float temporaries would otherwise be several times the packed head."""
-    n, k = t.shape
-    data = np.asarray(t.data).reshape(n, -1)
-    parts = [_error_scales(GGUFTensor(t.name, t.qtype, (min(rows, n - r), k), data[r:r + rows]))
-             for r in range(0, n, rows)]
+    parts = [_error_scales(c) for c in row_chunks(t, rows)]
     return torch.from_numpy(np.max(parts, axis=0) * np.float32(1 + 2**-10))
 
 
@@ -244,6 +292,14 @@ def row_norms(w: torch.Tensor) -> torch.Tensor:
     """float32 [rows]: each row's Euclidean norm, rounded up (target.h's head bounds a logit's
     activation rounding by it)."""
     return (w.double().norm(dim=-1) * (1 + 2**-20)).float()
+
+
+def packed_row_norms(w) -> torch.Tensor:
+    """row_norms of a QWeight's rows as gguf dequantises them, a chunk of rows at a time."""
+    rows, out = _chunk_rows(w.k), torch.empty(w.n)
+    for r in range(0, w.n, rows):  # into one tensor: no small survivors between temporaries
+        out[r:r + rows] = row_norms(w.rows(torch.arange(r, min(r + rows, w.n))))
+    return out
 
 
 def unpackable(tensors: Sequence[GGUFTensor]) -> str:

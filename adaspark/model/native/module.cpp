@@ -67,14 +67,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("zero") = 0)
       .def("matmul", [](const QWeight& w, torch::Tensor x) { return qmatmul(w, x); },
            py::call_guard<py::gil_scoped_release>())
+      // rows(ids): float32 [ids, k], each row as gguf dequantises it (embedding lookups)
+      .def("rows", &weight_rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>())
       .def_readonly("n", &QWeight::n)
       .def_readonly("k", &QWeight::k)
       .def_readonly("parts", &QWeight::parts)
       .def_property_readonly("zero", [](const QWeight& w) { return w.parts[0].zero; });
   py::class_<Model>(m, "Model", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
-                    torch::Tensor, torch::Tensor, torch::Tensor, QWeight, torch::Tensor,
-                    torch::Tensor, torch::Tensor, double, double>())
+                    torch::Tensor, QWeight, torch::Tensor, QWeight, torch::Tensor,
+                    torch::Tensor, double, double>())
       .def("add_layer", &Model::add_layer, py::arg("attn_norm"), py::arg("ffn_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv_bias"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"),

@@ -127,7 +127,86 @@ struct QWeight {
   int64_t part_of(int64_t i) const {
     return std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
   }
+  // Output row `row` ([0, n)) as k floats into out, the value gguf's dequantiser gives.
+  void row(int64_t row, float* out) const;
 };
+
+// One scale (d or m, as load_scales reads them) of output `lane` of group g, block b, half h.
+inline float scale_at(const QPart& w, const void* p, const uint16_t* f, bool is_signed, int64_t g,
+                      int64_t b, int64_t h, int64_t lane) {
+  const int64_t at = ((g * w.nb + b) * w.halves + h) * 16 + lane;
+  if (w.factors) {
+    const float small = is_signed ? static_cast<const int8_t*>(p)[at]
+                                  : static_cast<const uint8_t*>(p)[at];
+    return _cvtsh_ss(f[(g * (w.nb / 8) + b / 8) * 16 + lane]) * small;
+  }
+  return w.f32 ? static_cast<const float*>(p)[at]
+               : _cvtsh_ss(static_cast<const uint16_t*>(p)[at]);
+}
+
+// Row r of one part, decoded from the packed layout above: dense floats as stored; integer
+// codes as d*(u - zero) where a zero stands for m (gguf's d*q with q signed), else d*u + m.
+// Every product is exact in float32 (an fp16 or K-quant scale times a code of at most 8 bits),
+// so each value is gguf's own, whether or not the compiler fuses the multiply and add.
+inline void part_row(const QPart& w, int64_t r, float* out) {
+  const int64_t g = r / 16, lane = r % 16;
+  if (!w.bits) {
+    for (int64_t i = 0; i < w.k; ++i) {
+      const int64_t at = (g * w.k + i) * 16 + lane;
+      if (w.dense == torch::kFloat) {
+        out[i] = reinterpret_cast<const float*>(w.qp)[at];
+      } else {
+        const uint16_t v = reinterpret_cast<const uint16_t*>(w.qp)[at];
+        if (w.dense == torch::kHalf) {
+          out[i] = _cvtsh_ss(v);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(v) << 16;  // bf16: float32's top half
+          std::memcpy(&out[i], &bits, 4);
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = w.qp + (g * w.nb + b) * w.block_bytes();
+    for (int64_t e = 0; e < kBlock; ++e) {
+      const int64_t c = e / 4, l = lane * 4 + e % 4;  // chunk of 4 inputs, byte in its 64
+      int32_t u;
+      if (w.bits == 8) {
+        u = blk[c * 64 + l];
+      } else {
+        u = (blk[(c / 2) * 64 + l] >> (4 * (c % 2))) & 15;
+        if (w.bits == 5) u |= ((blk[256 + l] >> c) & 1) << 4;
+        if (w.bits == 6) u |= ((blk[256 + (c / 4) * 64 + l] >> (2 * (c % 4))) & 3) << 4;
+      }
+      const int64_t h = w.halves == 2 ? e / 16 : 0;
+      const float d = scale_at(w, w.dp, w.dsp, w.d_signed, g, b, h, lane);
+      out[b * kBlock + e] =
+          w.zero ? d * static_cast<float>(u - w.zero)
+                 : d * static_cast<float>(u) + scale_at(w, w.mp, w.msp, w.m_signed, g, b, h, lane);
+    }
+  }
+}
+
+inline void QWeight::row(int64_t r, float* out) const {
+  TORCH_CHECK(r >= 0 && r < n, "row out of range");
+  const int64_t p = std::upper_bound(col.begin(), col.end(), r) - col.begin() - 1;
+  part_row(parts[p], r - col[p], out);
+}
+
+// Rows `ids` of w as float32 [ids, k] (embedding lookups, the head's float32 recompute).
+inline torch::Tensor weight_rows(const QWeight& w, torch::Tensor ids) {
+  ids = ids.to(torch::kLong).contiguous();
+  const int64_t m = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < w.n, "row id out of range");
+  auto out = torch::empty({m, w.k}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, m, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) w.row(id[i], o + i * w.k);
+  });
+  return out;
+}
 
 // Where a thread goes next (a part and its group), for the prefetch; none: w == nullptr.
 struct Next {

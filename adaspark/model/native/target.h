@@ -31,15 +31,16 @@ inline Act act_named(const std::string& name) {
 class Model {
  public:
   Model(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
-        double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor embeddings,
-        torch::Tensor out_norm, QWeight head, torch::Tensor head_f32, torch::Tensor head_bounds,
-        torch::Tensor head_norms, double embed_scale, double attn_scale)
+        double eps, torch::Tensor rope_cos, torch::Tensor rope_sin, QWeight embeddings,
+        torch::Tensor out_norm, QWeight head, torch::Tensor head_bounds, torch::Tensor head_norms,
+        double embed_scale, double attn_scale)
       : dim_(dim), heads_(n_heads), kv_heads_(n_kv_heads), hd_(head_dim), ffn_(ffn),
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
-        emb_(embeddings.contiguous()), out_norm_(out_norm.contiguous()), head_(std::move(head)),
-        head_f32_(head_f32.contiguous()), head_bounds_(head_bounds.contiguous()),
+        emb_(std::move(embeddings)), out_norm_(out_norm.contiguous()), head_(std::move(head)),
+        head_bounds_(head_bounds.contiguous()),
         head_norms_(head_norms.contiguous()), embed_scale_(static_cast<float>(embed_scale)),
         attn_scale_(static_cast<float>(attn_scale)) {
+    TORCH_CHECK(emb_.k == dim_ && head_.k == dim_, "embeddings and head must have dim inputs");
     TORCH_CHECK(head_bounds_.scalar_type() == torch::kFloat && head_bounds_.numel() == 2 * head_.nb,
                 "head_bounds must be float32 [2, blocks]");
     TORCH_CHECK(head_norms_.scalar_type() == torch::kFloat && head_norms_.numel() == head_.n,
@@ -126,7 +127,7 @@ class Model {
     const int64_t* tok = tokens.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     for (int64_t r = 0; r < n; ++r) {
-      TORCH_CHECK(tok[r] >= 0 && tok[r] < emb_.size(0), "token id out of range");
+      TORCH_CHECK(tok[r] >= 0 && tok[r] < emb_.n, "token id out of range");
       TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_.size(0), "position past the rope table");
     }
     for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < L, "tap layer out of range");
@@ -137,8 +138,7 @@ class Model {
                        &y = y_;
     x.resize(n * dim_); h.resize(n * std::max(dim_, qw)); qkv.resize(n * qkvw);
     attn.resize(n * qw); gu.resize(n * 2 * ffn_); act.resize(n * ffn_); y.resize(n * dim_);
-    const float* emb = emb_.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) std::memcpy(&x[r * dim_], emb + tok[r] * dim_, dim_ * 4);
+    for_rows(n, [&](int64_t r) { emb_.row(tok[r], &x[r * dim_]); });  // gguf's values
     if (embed_scale_ != 1.0f)  // float32 times the float32 scale, as torch and llama.cpp round it
       for (int64_t i = 0; i < n * dim_; ++i) x[i] *= embed_scale_;
     auto hiddens = torch::empty({static_cast<int64_t>(taps.size()), n, dim_}, torch::kFloat);
@@ -178,8 +178,8 @@ class Model {
   // row): |e.w_c| <= |e| |w_c| (Cauchy-Schwarz), plus the float rounding of the int8 path
   // (per block (nb+4) 2^-22 127 dx tmax, tmax from head_bounds) and of the float32 dot itself
   // (< 2^-18 |x| |w_c|). So q_c + that bound caps x.w_c; only the logits whose cap reaches the
-  // float32 value of the top quantised one are recomputed in float32 from head_f32 (a handful
-  // per row), and the argmax is the float32 head's, lowest id among equal maxima as torch's.
+  // float32 value of the top quantised one are recomputed in float32 from the head's rows
+  // decoded to gguf's float32 values (a handful per row), and the argmax is the float32 head's, lowest id among equal maxima as torch's.
   std::vector<torch::Tensor> head(torch::Tensor rows) {
     TORCH_CHECK(rows.dim() == 2 && rows.size(1) == dim_ && rows.scalar_type() == torch::kFloat,
                 "rows must be float32 [n, dim]");
@@ -191,10 +191,14 @@ class Model {
     float* lg = logits.data_ptr<float>();
     qmatmul_into(head_, a, lg, vocab);
     auto argmax = torch::empty({n}, torch::kLong);
-    const float* hf = head_f32_.data_ptr<float>();
     const float* tmax = head_bounds_.data_ptr<float>() + nb;
     const float* norms = head_norms_.data_ptr<float>();
     at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<float> wrow(dim_);
+      auto exact_logit = [&](const float* xr, int64_t c) {
+        head_.row(c, wrow.data());
+        return vdot(xr, wrow.data(), dim_);
+      };
       for (int64_t r = r0; r < r1; ++r) {
         const float* xr = rows.data_ptr<float>() + r * dim_;
         double e2 = 0.0, x2 = 0.0, fl = 0.0;
@@ -213,12 +217,12 @@ class Model {
         float* lr = lg + r * vocab;
         int64_t best = argmax_first(lr, vocab);
         const int64_t first = best;
-        float top = vdot(xr, hf + best * dim_, dim_);
+        float top = exact_logit(xr, best);
         std::vector<std::pair<int64_t, float>> exact;
         // the caps are compared with the first top: a later, higher top only drops candidates
         for_each_reaching(lr, norms, slack, per_norm, top, vocab, [&](int64_t c) {
           if (c == first) return;
-          const float v = vdot(xr, hf + c * dim_, dim_);
+          const float v = exact_logit(xr, c);
           exact.emplace_back(c, v);
           if (v > top || (v == top && c < best)) best = c, top = v;
         });
@@ -258,9 +262,11 @@ class Model {
 
   int64_t dim_, heads_, kv_heads_, hd_, ffn_;
   float eps_;
-  torch::Tensor cos_, sin_, emb_, out_norm_;
+  torch::Tensor cos_, sin_;
+  QWeight emb_;  // the embedding table packed (the head itself where tied)
+  torch::Tensor out_norm_;
   QWeight head_;
-  torch::Tensor head_f32_, head_bounds_, head_norms_;
+  torch::Tensor head_bounds_, head_norms_;
   float embed_scale_, attn_scale_;  // inputs times embed_scale; scores q.k times attn_scale
   QAct head_q_;
   std::vector<Layer> layers_;

@@ -1,0 +1,122 @@
+"""What a load of the embedded model costs in memory where the native forward runs (issue 25):
+no float32 or torch-format copy of a packed matrix is kept, the mapped file's pages are let go
+once packed, packing works a chunk of rows at a time, and the KV cache's pages come in as the
+context fills. So the peak RSS a fresh process sees, above what its imports alone cost, stays
+within 1.5x the GGUF's size.
+
+The embedding rows the native forward reads are decoded from the packed table; they must be
+gguf's dequantised values exactly for every type the kernels take (the outputs stay those of
+the float32 table they replace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_native_types import random_tensor
+
+from adaspark.model import native
+from adaspark.model.gguf import read_gguf
+from adaspark.model.native import blocks
+from adaspark.model.sources import resolve_model
+from adaspark.model.transformer import Transformer
+
+Q = GGMLQuantizationType
+LOADABLE_TYPES = [*blocks.INTEGER, *blocks.DENSE]
+
+PEAK = """
+import json, sys
+def status():
+    fields = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+from adaspark.engine import Engine
+from adaspark.model import native, transformer  # noqa: F401  (imports: the baseline)
+module, why = native.load()
+out = {"native": module is not None, "why": why, "base": status()}
+if sys.argv[1] == "load":
+    engine = Engine.load(arm="ar")
+    cache = engine.target.cache
+    out.update(after=status(), kv=2 * cache.k.numel() * cache.k.element_size(),
+               forward=engine.forward)
+print(json.dumps(out))
+"""
+
+
+def run_fresh(what: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK), what], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def net_peak_and_bounds() -> tuple[int, int, dict]:
+    """A fresh load's peak RSS above a fresh imports-only process's, the GGUF's size, and the
+    load's report."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("reads /proc/self/status")
+    imports = run_fresh("imports")
+    if not imports["native"]:
+        pytest.skip(f"the native forward does not run here: {imports['why']}")
+    loaded = run_fresh("load")
+    assert loaded["forward"].startswith("native-")
+    return (loaded["after"]["VmHWM"] - imports["base"]["VmHWM"],
+            resolve_model(None).stat().st_size, loaded)
+
+
+def test_a_load_keeps_neither_a_float32_table_nor_a_resident_cache():
+    net_peak, size, loaded = net_peak_and_bounds()
+    t = read_gguf(resolve_model(None)).tensors["token_embd.weight"]
+    table = 4 * t.shape[0] * t.shape[1]  # float32 [vocab, dim]
+    # the packed weights are about the file's size; the float32 table, the file's resident
+    # pages or the cache (preallocated for the whole context, untouched at load) on top would
+    # each break this
+    assert loaded["kv"] > table
+    assert net_peak < size + min(table, size), (net_peak / 2**20, size / 2**20)
+
+
+@pytest.mark.parametrize("qtype", LOADABLE_TYPES, ids=lambda q: q.name)
+def test_packed_rows_are_ggufs_dequantised_rows_exactly(qtype):
+    module, why = native.load()
+    if module is None:
+        pytest.skip(why)
+    t = random_tensor(qtype, 37, 512, seed=11)  # a part group of 5 rows, all scale paths
+    w = native.pack(module, [t])
+    ids = torch.tensor([36, 0, 17, 16, 15, 17])
+    got = w.rows(ids).numpy()
+    want = t.dequantize()[ids.numpy()]
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_rows_of_a_fused_weight_come_from_their_own_part():
+    module, _ = native.load()
+    if module is None:
+        pytest.skip("no native build")
+    parts = [random_tensor(Q.Q4_K, 20, 256, seed=1), random_tensor(Q.Q8_0, 9, 256, seed=2)]
+    w = native.pack(module, parts)
+    want = np.concatenate([p.dequantize() for p in parts])
+    assert np.array_equal(w.rows(torch.arange(29)).numpy(), want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        w.rows(torch.tensor([29]))
+
+
+def test_the_native_embedding_lookup_is_the_float32_tables(model_path):
+    model = Transformer.from_gguf(model_path, max_context=64, calibrate=False)
+    if model.native is None:
+        pytest.skip(model.native_note)
+    tokens = torch.tensor([[0, 5, model.config.vocab_size - 1], [42, 42, 7]])
+    native_rows = model.embed(tokens)
+    assert "tok_embeddings" not in model.__dict__  # the lookup made no float32 table
+    assert torch.equal(native_rows, model.tok_embeddings[tokens])

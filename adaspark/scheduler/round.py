@@ -505,9 +505,7 @@ class Scheduler:
         tree = self._ngram_tree(stop_ids)
         if tree.n_nodes == 0:
             return self._plain(ctx)
-        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
-                                       temperature=self.temperature)
-        ranking = rank(tree, scored.q)
+        scored, ranking = self._ranked(tree, ctx)
         if ranking.n_useful == 0:
             return self._plain(ctx)
         plain_ms = self.plain_law.predict(ctx)
@@ -523,13 +521,24 @@ class Scheduler:
             price_ms = dict(offers).get(width) or self._price(width, ctx)
         if width == 1:
             return self._plain(ctx)
+        return self._undrafted_plan(tree, scored, ranking, width, ctx, chosen_by,
+                                    [w for w, _ in offers] if probe is None else [], price_ms)
+
+    def _ranked(self, tree: CandidateTree, ctx: int):
+        """Lines 5-6 on a tree: its q by the acceptance model, then its best-first order."""
+        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                       temperature=self.temperature)
+        return scored, rank(tree, scored.q)
+
+    def _undrafted_plan(self, tree: CandidateTree, scored, ranking: Ranking, width: int,
+                        ctx: int, chosen_by, offered: list[int], price_ms: float | None) -> Plan:
+        """The rows of a tree no drafter made (an n-gram tree) cut to `width`."""
         kept = ranking.order[: min(width - 1, ranking.n_useful)]
         lay = layout(tree, kept, anchor_token=self.request.anchor)
         return Plan(
             context_length=ctx, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
             mask=lay.mask, width_chosen=int(width), chosen_by=chosen_by,
-            width_offered=[w for w, _ in offers] if probe is None else [],
-            predicted_S=float(ranking.Q[kept].sum()),
+            width_offered=offered, predicted_S=float(ranking.Q[kept].sum()),
             predicted_T_s=None if price_ms is None else price_ms / 1000.0,
             fitted_prices=scored.fitted_prices, drafted=False,
             tree=tree, layout=lay, _scored=scored, _ranking=ranking,
@@ -576,9 +585,7 @@ class Scheduler:
         offers = self.cost.offers(ctx)
         if tree.n_nodes == 0 or not offers:
             return self._plain(ctx)
-        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
-                                       temperature=self.temperature)
-        ranking = rank(tree, scored.q)
+        scored, ranking = self._ranked(tree, ctx)
         if ranking.n_useful == 0:
             return self._plain(ctx)
         plain_ms = self.plain_law.predict(ctx)  # a weak proposal may not be worth a row
@@ -588,15 +595,8 @@ class Scheduler:
                                             ranking.S_ngram.tolist(), self.gate.fixed_ms, ctx)
         if width == 1:
             return self._plain(ctx)
-        kept = ranking.order[: min(width - 1, ranking.n_useful)]
-        lay = layout(tree, kept, anchor_token=self.request.anchor)
-        return Plan(
-            context_length=ctx, tokens=lay.tokens, depths=lay.depths, parents=lay.parent_rows,
-            mask=lay.mask, width_chosen=int(width), chosen_by=ChosenBy.UNDRAFTED,
-            width_offered=[w for w, _ in offers], predicted_S=float(ranking.Q[kept].sum()),
-            predicted_T_s=price_ms / 1000.0, fitted_prices=scored.fitted_prices, drafted=False,
-            tree=tree, layout=lay, _scored=scored, _ranking=ranking,
-        )
+        return self._undrafted_plan(tree, scored, ranking, width, ctx, ChosenBy.UNDRAFTED,
+                                    [w for w, _ in offers], price_ms)
 
     def _drafted(self, block: Block, ctx: int, stop_ids: Sequence[int]) -> Plan:
         """Lines 3-12 on the drafter's block: candidates, q, best-first order, width, rows."""

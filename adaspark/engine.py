@@ -208,12 +208,13 @@ class Engine:
         options = (options or ModelOptions()).but(**changes)  # a misspelt arm fails here
         path = resolve_model(model if model is not None else options.model)
         gguf = read_gguf(path)  # parsed once, for the weights and the tokenizer
+        # the tokenizer first: its build's transient peak then comes before the packed weights
+        tokenizer = Tokenizer.from_gguf(gguf)
         target = Transformer(gguf, precision=options.precision, device=options.device,
                              max_context=max_context)
         if target.native_note:  # one line: the engine runs, more slowly
             print(f"adaspark: native forward not used ({target.native_note}); "
                   "the torch path runs", file=sys.stderr)
-        tokenizer = Tokenizer.from_gguf(gguf)
         speculator = load_speculator(target, path, tokenizer.stop_ids, options)
         return cls(target, tokenizer, path, speculator)
 

@@ -45,7 +45,7 @@ from adaspark.scheduler.budget import StepPrice, allocate
 from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.driver import Committed, Target, run_round
 from adaspark.scheduler.record import RoundRecord, RoundTimes
-from adaspark.scheduler.round import Arm, Outcome, Plan, RequestState, Scheduler
+from adaspark.scheduler.round import MAX_WIDTH, Arm, Outcome, Plan, RequestState, Scheduler
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import Block
 from adaspark.sequence import Decode
@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     from adaspark.engine import Timing
 
 _log = logging.getLogger(__name__)
+# While other requests run, a finished request's learned state waits for the batch's last one to
+# end, at most this long: the store's save (an fsync) stalls every running stream's step.
+SAVE_EVERY_S = 10.0
+PLAN_DECAY = 0.9  # Speculator.learn_plan_time: the recent rounds' plan times (the load drifts)
 
 
 @dataclass
@@ -163,6 +167,7 @@ class RoundDecode(Decode):
         self._room = 0
         self._plan: Plan | None = None
         self._plan_s = 0.0
+        self._drafted = False
         self.first_round = False  # this step's round is the request's first
         # the step beside others as priced before it plans (Speculator.price_step; None alone)
         self.step: StepPrice | None = None
@@ -175,6 +180,7 @@ class RoundDecode(Decode):
             temperature = self.sampler.params.temperature if self.sampler is not None else 0.0
             self.request = self.spec.scheduler.begin_request([*self.slot.ids, self.token],
                                                              temperature=temperature)
+            self.spec.running += 1
             if self.reply.push(self.token):
                 return self._stop()
             if self.sampler is not None:
@@ -197,6 +203,7 @@ class RoundDecode(Decode):
             len(self.slot) + 1, self._draft, self.spec.stop_ids, self._room,
             request=self.request, step=self.step)
         self._plan_s = time.perf_counter() - start
+        self._drafted = self._plan.drafted  # a cut may leave its plain row: still drafted
         return self.rows()
 
     def rows(self) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -237,9 +244,12 @@ class RoundDecode(Decode):
         commit = time.perf_counter()
         self.slot.kv.commit(rows)
         if self.slot.drafter is not None:  # the kept rows' taps: its drafter's next features
-            self.slot.drafter.observe(hiddens, rows=rows)
+            # a one-row round's taps are its kept row's: all of them, without an index
+            self.slot.drafter.observe(hiddens, rows=None if plan.rows == 1 else rows)
         commit_s = time.perf_counter() - commit
         self.slot.commit(plan.tokens[rows])
+        if self.step is not None and not self.first_round:  # priced beside others
+            self.spec.learn_plan_time(self._drafted, self._plan_s)
         self.step_tokens, self.step_s = len(emitted), self._plan_s + time.perf_counter() - walk
         alone = step is None or step.sequences == 1
         verify_s = (0.0 if step is None else step.verify_s) + walk - start
@@ -257,7 +267,8 @@ class RoundDecode(Decode):
         produced = len(self.reply.token_ids) + (self.reply.stop_token_id is not None)
         self.timing.decode_tokens = max(0, produced - 1)
         if self.request is not None and self.request.anchor is not None:
-            self.spec._end_request(self.request)
+            self.spec.running -= 1
+            self.spec._end_request(self.request, beside=self.spec.running > 0)
         return False
 
 
@@ -287,6 +298,11 @@ class Speculator:
         self.shared_noise = True  # when sampling, the drafter drafts on the target's noise
         # the batch's steps of several requests: their tokens per ms (the row budget's rate)
         self.step_rate = BandRate()
+        self.plain_floor = True  # step_price's rate at least the plain step's (False: the paper's)
+        self.running = 0  # the batch's requests that began and have not ended
+        # beside others: the decayed mean plan ms of undrafted and of drafted rounds
+        self.plan_ms: list[float | None] = [None, None]
+        self._saved_at = time.monotonic()  # when the store was last saved (or made)
 
     @property
     def arm(self) -> str:
@@ -356,7 +372,7 @@ class Speculator:
         each request's tree is cut to its share. A request's own chooser sized its plan, so
         the budget only cuts. Off with one request (its round is the solo one), before the
         steps' rate is measured, or where no measured price holds the plain rows."""
-        price = self.step_price(seqs)
+        price = self._priced(seqs)
         if price is None:
             return rows
         sched, fixed, candidates = self.scheduler, 0, []
@@ -365,6 +381,8 @@ class Speculator:
             if q is None:  # its rows stand as planned
                 fixed += len(row[0]) - 1
             candidates.append(np.zeros(0) if q is None else q)
+        if not any(len(q) for q in candidates):  # plain rows (and fixed plans) only: no cut
+            return rows
 
         def step_ms(total: int) -> float:
             return price.step_ms(total + fixed)
@@ -375,21 +393,43 @@ class Speculator:
 
     def step_price(self, seqs: list) -> StepPrice | None:
         """The step of these requests as budget.allocate prices it: their plain rows, the
-        scheduler's price of a call at their mean context (Scheduler.step_price) and the
-        steps' long-run rate. None: one request (its round is the solo one), the rate not yet
-        measured, or no measured price holding the plain rows."""
+        scheduler's price of a call by its total rows at their mean context, read once
+        (Scheduler.step_prices: rows past the measured classes only at an unmeasured class's
+        top, which the call then measures) and the steps' long-run rate, at least the rate
+        of the plain step itself (its rows over its price): the rate the batch learns is its
+        own, and where drafting lowers it, extra rows would look cheaper and draw more
+        drafting; a row must beat plain decoding of these requests. None: one request (its
+        round is the solo one), the rate not yet measured, or no price for the plain rows."""
         rate = self.step_rate.rate
         if len(seqs) < 2 or rate is None:
             return None
-        sched = self.scheduler
         ctx = float(np.mean([len(seq.slot) + 1 for seq in seqs]))
-
-        def step_ms(total: int) -> float:
-            return sched.step_price(total, ctx)
-
-        if not math.isfinite(step_ms(len(seqs))):
+        rows = len(seqs)
+        prices = self.scheduler.step_prices(rows, rows * MAX_WIDTH, ctx)
+        if not math.isfinite(prices[rows]):
             return None
-        return StepPrice(len(seqs), step_ms, rate)
+        if self.plain_floor and prices[rows] > 0.0:
+            rate = max(rate, rows / prices[rows])
+        drafted, undrafted = self.plan_ms
+        draft_ms = None if drafted is None or undrafted is None else drafted - undrafted
+        return StepPrice.table(rows, prices, rate, draft_ms)
+
+    def learn_plan_time(self, drafted: bool, plan_s: float) -> None:
+        """A round's plan beside others (its D, the draft call's included where it drafted):
+        the decayed mean of each kind, whose difference is what a draft adds to a step
+        under the load now (StepPrice.draft_ms; the cost model's D is its quiet quantile)."""
+        ms, mean = 1000.0 * plan_s, self.plan_ms[int(drafted)]
+        self.plan_ms[int(drafted)] = ms if mean is None else (
+            PLAN_DECAY * mean + (1.0 - PLAN_DECAY) * ms)
+
+    def _priced(self, seqs: list) -> StepPrice | None:
+        """The price this step's requests planned by (price_step), read once a step; again
+        where the planned requests are not the ones it priced (one failed its plan)."""
+        steps = {id(seq.step) if isinstance(seq, RoundDecode) else None for seq in seqs}
+        first = seqs[0].step if isinstance(seqs[0], RoundDecode) else None
+        if len(steps) == 1 and first is not None and first.rows == len(seqs):
+            return first
+        return self.step_price(seqs)
 
     def price_step(self, seqs: list) -> None:
         """Batch.before_plan: each request plans its round against the step's price and rate
@@ -454,11 +494,19 @@ class Speculator:
                                 f"{err.strerror or err}") from None
         self._log.write(json.dumps(record) + "\n")
 
-    def _end_request(self, request: RequestState | None = None) -> None:
-        """The cost model's refit, then the learned state and the round log reach the disk."""
-        self.scheduler.end_request(request)
+    def _end_request(self, request: RequestState | None = None, beside: bool = False) -> None:
+        """The cost model's refit, then the learned state and the round log reach the disk.
+        beside: other requests still run in the batch; the refit (~10 ms of numpy) and the
+        store's save (an fsync), which would stall their step, then wait for the last of them
+        to end, or SAVE_EVERY_S."""
+        now = time.monotonic()
+        wait = beside and now - self._saved_at < SAVE_EVERY_S
+        self.scheduler.end_request(request, refit=not wait)
         if self._log is not None:
             self._log.flush()
+        if wait:
+            return
+        self._saved_at = now
         if self.store is not None:
             try:
                 self.store.save(self.scheduler.state_dict())

@@ -1,8 +1,9 @@
-"""Decode speed per arm on the short subset, in one process: interleaved runs and ratios.
+"""Decode speed per arm on a subset of the evaluation, in one process: interleaved runs and ratios.
 
-The short subset is the first two turns of the first conversation of each source in the
-evaluation file. Every arm decodes every conversation turn by turn (its own replies as history,
-so turn 2 reuses the cached prefix), and the arms take turns run by run (A B A B ...), so a
+The short subset (the default) is the first two turns of the first conversation of each source
+in the evaluation file; `--subset first-turns` is the first turn of every conversation. Every
+arm decodes every conversation turn by turn (its own replies as history, so turn 2 reuses the
+cached prefix), and the arms take turns run by run (A B A B ...), so a
 machine that speeds up or slows down during the benchmark affects every arm alike. Each arm
 keeps one engine (drafter, scheduler) over all its runs, starting from an empty learned store,
 as the paper's arms do; all arms share one loaded target.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from adaspark.bench.conversations import load_conversations, short_subset
+from adaspark.bench.conversations import SUBSETS, load_conversations
 from adaspark.engine import Engine
 from adaspark.model.gguf import read_gguf
 from adaspark.model.sources import resolve_model
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fast", "reference"), default="fast")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--conversations", default=str(CONVERSATIONS))
+    p.add_argument("--subset", choices=sorted(SUBSETS), default="short")
     p.add_argument("--stores", metavar="DIR",
                    help="where each arm saves its learned store (default: a new temp dir)")
     p.add_argument("--json", metavar="FILE", help="also write every reply's numbers here")
@@ -108,6 +110,23 @@ def summary(replies: list[dict]) -> dict:
             "tokens_per_round": tokens / max(rounds, 1)}
 
 
+def by_source(results: dict[str, list[list[dict]]], sources: dict[str, str],
+              base: str) -> list[str]:
+    """Markdown rows: each arm's decode tok/s per source (every run's replies pooled), and
+    every other arm over `base` on the same replies."""
+    names = sorted(set(sources.values()))
+    pooled = {arm: {name: summary([r for run in runs for r in run
+                                   if sources[r["conversation"]] == name])["tok_s"]
+                    for name in names}
+              for arm, runs in results.items()}
+    lines = [f"| arm | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
+    for arm, speeds in pooled.items():
+        cells = [f"{speeds[n]:.1f}" if arm == base else
+                 f"{speeds[n] / pooled[base][n]:.2f}x" if pooled[base][n] else "-" for n in names]
+        lines.append(f"| {arm} | {' | '.join(cells)} |")
+    return lines
+
+
 def by_width(records: list[dict]) -> list[dict]:
     """Rounds grouped by rows verified (round-log records: rows, accepted, D, verify, commit):
     each width's share of the rounds and of their time, drafted tokens accepted per round, and
@@ -147,7 +166,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     specs = parse_arms(args.arms, args.drafter)
     arms = list(specs)
-    subset = short_subset(load_conversations(args.conversations))
+    subset = SUBSETS[args.subset](load_conversations(args.conversations))
     path = resolve_model(args.model)
     gguf = read_gguf(path)
     target = Transformer(gguf, precision=args.precision)
@@ -198,6 +217,8 @@ def main(argv=None) -> int:
         print(f"| {arm} | {mean[arm]:.1f} ({runs}) | {mean[arm] / mean[base]:.2f} | "
               f"{s['tokens_per_round']:.2f} | {s['rows_per_round']:.1f} | {s['plain']} | "
               f"{same}/{total} |")
+    print(f"\nBy source (first row: {base} tok/s; every other row: the arm over {base}):\n")
+    print("\n".join(by_source(results, {c.key: c.source for c in subset}, base)))
     print("\nAcceptance by position (drafted rounds whose accepted path reached depth d):\n")
     print("| arm | drafted rounds | " + " | ".join(f"d={d}" for d in range(1, 7)) + " |")
     print("|---|---|" + "---|" * 6)

@@ -5,7 +5,9 @@
 // steps, so this is the issue rate of the integer work alone, an upper bound for the matmul:
 // - avx2 4-bit: vpmaddubsw + vpaddw (int16 sums; 32 MACs a vpmaddubsw);
 // - avx2 8-bit (Q8_0): vpsignb + vpmaddubsw + vpmaddwd + vpaddd (32 MACs);
-// - avx-vnni: 256-bit vpdpbusd (32 MACs), where the CPU has it (cpuid 7.1 eax bit 4).
+// - avx-vnni: 256-bit vpdpbusd (32 MACs), where the CPU has it (cpuid 7.1 eax bit 4);
+// - avx512 vnni: 512-bit vpdpbusd (64 MACs; the avx512 build's path below 5 rows), where the CPU
+//   has it (cpuid 7.0 ecx bit 11).
 //
 //   g++ -O2 -o /tmp/int8_rate benchmarks/int8_rate.cpp && /tmp/int8_rate
 #include <cpuid.h>
@@ -23,6 +25,10 @@ constexpr long kRounds = 50000000;
   "vpmaddwd %%ymm14, %%ymm" #t ", %%ymm" #t "\n"                           \
   "vpaddd %%ymm" #t ", %%ymm" #a ", %%ymm" #a "\n"
 #define VNNI(a, t) "%{vex%} vpdpbusd %%ymm13, %%ymm12, %%ymm" #a "\n"  // t unused
+#define VNNI512(a) "vpdpbusd %%zmm13, %%zmm12, %%zmm" #a "\n"
+#define VNNI512_CHAINS \
+  VNNI512(0) VNNI512(1) VNNI512(2) VNNI512(3) VNNI512(4) VNNI512(5) VNNI512(6) VNNI512(7) \
+  VNNI512(8) VNNI512(9) VNNI512(10) VNNI512(11)
 #define EIGHT_CHAINS(M) M(0, 8) M(1, 9) M(2, 10) M(3, 11) M(4, 8) M(5, 9) M(6, 10) M(7, 11)
 #define VNNI_CHAINS \
   VNNI(0, 0) VNNI(1, 0) VNNI(2, 0) VNNI(3, 0) VNNI(4, 0) VNNI(5, 0) VNNI(6, 0) VNNI(7, 0) \
@@ -56,6 +62,13 @@ __attribute__((target("avx2,avxvnni"))) void vnni() {
   asm volatile(LOOP(VNNI_CHAINS) : "+r"(n) : : CLOBBERS);
 }
 
+__attribute__((target("avx512f,avx512vnni"))) void vnni512() {
+  long n = kRounds;
+  asm volatile("vpxord %%zmm12, %%zmm12, %%zmm12\n vpxord %%zmm13, %%zmm13, %%zmm13\n"
+               "1:\n" VNNI512_CHAINS "dec %0\n jnz 1b\n vzeroupper\n"
+               : "+r"(n) : : CLOBBERS);
+}
+
 int main() {
   for (int rep = 0; rep < 3; ++rep) {  // three passes: a busy machine shows as spread
     std::printf("avx2 4-bit (vpmaddubsw + vpaddw): %.1f GMAC/s; ", gmacs(four_bit, 8 * 32));
@@ -63,9 +76,13 @@ int main() {
                 gmacs(eight_bit, 8 * 32));
     unsigned a, b, c, d;
     if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1))
-      std::printf("avx-vnni (vpdpbusd ymm): %.1f GMAC/s\n", gmacs(vnni, 12 * 32));
+      std::printf("avx-vnni (vpdpbusd ymm): %.1f GMAC/s; ", gmacs(vnni, 12 * 32));
     else
-      std::printf("avx-vnni: not on this CPU\n");
+      std::printf("avx-vnni: not on this CPU; ");
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && ((c >> 11) & 1))
+      std::printf("avx512 vnni (vpdpbusd zmm): %.1f GMAC/s\n", gmacs(vnni512, 12 * 64));
+    else
+      std::printf("avx512 vnni: not on this CPU\n");
   }
   return 0;
 }

@@ -1,15 +1,17 @@
 """A/B of the native build against the same sources at another git revision, in one process.
 
     .venv/bin/python benchmarks/native_ab.py [--base REV] [--widths 1,2,5,8,16] [--context 300]
-                                             [--reps 40] [--threads 2] [--json FILE]
+                                             [--reps 40] [--threads 2] [--prefill 500]
+                                             [--json FILE]
 
 The native sources (adaspark/model/native/*.cpp, *.h) at REV (default HEAD) are built once
 into the cache folder as a module of their own name, beside the working tree's build
 (scripts/setup.sh); both load the embedded model and the shipped drafter and prefill the same
 `--context` tokens of text. Then, interleaved (A B, B A, ...) so that a machine speeding up or
 slowing down affects both alike: a verify of each width (a chain, the drafter's taps, forward and
-head), the head alone on real final-normed rows, and one draft. Prints medians, the ratio
-new / base, and whether the two builds' outputs (argmax, draft candidates) are equal: a change
+head), the head alone on real final-normed rows, one draft, and with `--prefill N` a prefill of
+the text's first N tokens from slot 0 (a chain of N rows in one forward). Prints medians, the
+ratio new / base, and whether the two builds' outputs (argmax, draft candidates) are equal: a change
 meant to keep the arithmetic must print `same`. Timing lives here, never in tests.
 """
 
@@ -51,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=300, help="committed tokens before the rows")
     p.add_argument("--reps", type=int, default=40, help="interleaved repetitions")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="also time one forward of this many rows from slot 0 (0: none)")
     p.add_argument("--json", metavar="FILE", help="also write the medians here")
     return p.parse_args(argv)
 
@@ -105,6 +109,15 @@ def head_picks(target: Transformer, rows: torch.Tensor) -> list[int]:
     return target.native.head(rows)[1].tolist()
 
 
+def prefill_rows(target: Transformer, tokens: list[int]) -> bytes:
+    """One native forward of `tokens` from slot 0, a chain; its final-normed rows' bytes (the
+    tokens are the context's own, so the slots it rewrites get their K/V back bit for bit)."""
+    n = len(tokens)
+    out = target.native.forward(target.cache.k, target.cache.v, torch.tensor(tokens),
+                                torch.arange(n), 0, torch.ones(n, n, dtype=torch.bool).tril(), [])
+    return out[0].numpy().tobytes()
+
+
 def draft_candidates(drafter, anchor: int) -> list[list[int]]:
     return drafter.draft(anchor).topk_ids.tolist()
 
@@ -121,8 +134,9 @@ def main(argv=None) -> int:
     gguf = read_gguf(path)
     tok = Tokenizer.from_gguf(gguf)
     ids = tok.encode(TEXT.read_text(encoding="utf-8"))
-    if len(ids) < args.context + 16:
-        raise SystemExit(f"{TEXT} holds {len(ids)} tokens; --context at most {len(ids) - 16}")
+    if len(ids) < max(args.context + 16, args.prefill):
+        raise SystemExit(f"{TEXT} holds {len(ids)} tokens; --context at most {len(ids) - 16}, "
+                         f"--prefill at most {len(ids)}")
     arms = {"base": with_module(base, path, gguf, tok, ids[:args.context]),
             "new": with_module(new, path, gguf, tok, ids[:args.context])}
     widths = [int(w) for w in args.widths.split(",")]
@@ -150,6 +164,8 @@ def main(argv=None) -> int:
             for n in (1, 5, 8):
                 timed(arm, f"head {n}", head_picks, target, finals[:n])
             timed(arm, "draft", draft_candidates, drafter, rows[0])
+            if args.prefill:
+                timed(arm, f"prefill {args.prefill}", prefill_rows, target, ids[:args.prefill])
     medians = {what: {arm: 1000 * statistics.median(times[(arm, what)]) for arm in arms}
                for what in dict.fromkeys(w for _, w in times)}
     print(f"{cpuinfo.name()}, torch threads {torch.get_num_threads()}, base {args.base}, "

@@ -209,14 +209,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def top2_margin(logits: np.ndarray) -> float:
+    """The top logit minus the runner-up's."""
+    second, first = np.partition(logits, -2)[-2:]
+    return float(first - second)
+
+
 def parting(ours: np.ndarray, theirs: np.ndarray, bound: np.ndarray, t: int, s: int) -> dict:
     """Where ours picks t and llama.cpp s: both margins and whether rounding explains them. If
-    every logit j differs by at most B_j, the two margins sum to at most B_t + B_s."""
+    every logit j differs by at most B_j, the two margins sum to at most B_t + B_s. Each side's
+    top-2 margin beside (its margin over the other's token is at least that, when the token it
+    picked is its argmax here: "argmaxes_picked" says whether both are)."""
     ours_margin, their_margin = float(ours[t] - ours[s]), float(theirs[s] - theirs[t])
     pair = float(bound[t] + bound[s])
     return {"ours_token": int(t), "llamacpp_token": int(s), "ours_margin": ours_margin,
             "llamacpp_margin": their_margin, "pair_head_bound": pair,
-            "near_tie": ours_margin + their_margin <= pair}
+            "near_tie": ours_margin + their_margin <= pair,
+            "ours_top2_margin": top2_margin(ours), "llamacpp_top2_margin": top2_margin(theirs),
+            "argmaxes_picked": int(ours.argmax()) == t and int(theirs.argmax()) == s}
 
 
 def position_rows(fast: np.ndarray, ref: np.ndarray | None, theirs: np.ndarray,
@@ -311,7 +321,8 @@ class Check:
         self.engine.reset()
         theirs = self.worker.logits(context)[-1]
         bound = self._bound(self._reference(context)[1][-1:], last)[0]
-        return {"position": len(context), **parting(last[0], theirs, bound, t_ours, t_theirs)}
+        return {"position": len(context), **parting(last[0], theirs, bound, t_ours, t_theirs),
+                "max_abs_difference": float(np.abs(last[0] - theirs).max())}
 
 
 # --- running it ----------------------------------------------------------------------------------
@@ -319,7 +330,7 @@ class Check:
 def prompt_ids(tokenizer, args: argparse.Namespace) -> list[list[int]]:
     prompts = []
     for messages in vs.load_prompts(Path(args.conversations), args.prompts, args.max_chars):
-        ids = tokenizer.encode_chat(messages)
+        ids = vs.encode(tokenizer, messages, args.raw)
         if len(ids) + args.max_tokens <= args.n_ctx:
             prompts.append(ids)
     if not prompts:
@@ -381,6 +392,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=3000, help="skip longer first turns")
     p.add_argument("--n-ctx", type=int, default=1024, help="context for both engines")
     p.add_argument("--threads", type=int, default=2, help="threads for both engines")
+    p.add_argument("--raw", action="store_true",
+                   help="prompts as text to continue, no chat template (a base model)")
     p.add_argument("--no-reference", action="store_true",
                    help="skip our float32 reference path (big models: its dense weights)")
     p.add_argument("--conversations", default=str(vs.CONVERSATIONS),

@@ -8,8 +8,9 @@ runs in this process. The two take turns prompt by prompt (A B A B ...), so a ma
 speeds up or slows down during the run affects both alike.
 
 Both engines get the same prompt token ids (the chat messages rendered once through the GGUF's
-chat template by our tokenizer), decode greedily, stop at the same stop tokens or after the same
-number of reply tokens, and are clocked the same way:
+chat template by our tokenizer; with --raw, for a base model without a template, the turns' text
+as it is, as `adaspark generate --raw` reads it), decode greedily, stop at the same stop tokens
+or after the same number of reply tokens, and are clocked the same way:
 
     decode tok/s = (reply tokens after the first) / (seconds from the first reply token to the last)
 
@@ -19,6 +20,7 @@ chunks, which would add llama-cpp-python's detokenizing and response building to
 
     .venv/bin/python benchmarks/vs_llamacpp.py --build-only         # build once (tens of minutes)
     .venv/bin/python benchmarks/vs_llamacpp.py --runs 3 --max-tokens 128 --out vs_llamacpp.json
+    .venv/bin/python benchmarks/vs_llamacpp.py --model gemma-3-270m-q4_k_m.gguf --raw
 """
 
 from __future__ import annotations
@@ -252,6 +254,14 @@ def load_prompts(path: Path, count: int, max_chars: int) -> list[list[dict]]:
     return out
 
 
+def encode(tokenizer, messages: list[dict], raw: bool) -> list[int]:
+    """A prompt's token ids: the chat rendered through the model's template, or with `raw` the
+    messages' text joined by blank lines, as text to continue (BOS as the model asks)."""
+    if raw:
+        return tokenizer.encode_prompt("\n\n".join(m["content"] for m in messages))
+    return tokenizer.encode_chat(messages)
+
+
 def run_benchmark(args: argparse.Namespace, venv: Path, cpuinfo: str) -> dict:
     import torch
 
@@ -265,7 +275,7 @@ def run_benchmark(args: argparse.Namespace, venv: Path, cpuinfo: str) -> dict:
     stop_ids = sorted(int(t) for t in engine.tokenizer.stop_ids)
     prompts = []
     for messages in load_prompts(Path(args.conversations), args.prompts, args.max_chars):
-        ids = engine.tokenizer.encode_chat(messages)
+        ids = encode(engine.tokenizer, messages, args.raw)
         if len(ids) + args.max_tokens <= N_CTX:
             prompts.append(ids)
     if not prompts:
@@ -300,6 +310,7 @@ def run_benchmark(args: argparse.Namespace, venv: Path, cpuinfo: str) -> dict:
     return {
         "cpu": cpu_name(cpuinfo), "threads": args.threads, "torch_threads":
         torch.get_num_threads(), "max_tokens": args.max_tokens, "runs": args.runs,
+        "raw": args.raw, "forward": engine.forward,
         "model": str(model), "llamacpp_version": worker.info["version"],
         "llamacpp_system_info": worker.info["system_info"],
         "cmake_args": json.loads((venv / STAMP).read_text())["cmake_args"],
@@ -314,7 +325,7 @@ def run_benchmark(args: argparse.Namespace, venv: Path, cpuinfo: str) -> dict:
 def print_report(r: dict) -> None:
     print(f"CPU: {r['cpu']}; threads {r['threads']} (torch {r['torch_threads']}); max tokens "
           f"{r['max_tokens']}; {r['runs']} interleaved run(s) x {len(r['pairs']) // r['runs']} "
-          f"prompts")
+          f"{'raw ' if r['raw'] else ''}prompts; ours {r['forward']}")
     print(f"llama-cpp-python {r['llamacpp_version']}: {r['llamacpp_system_info']}")
     print(f"decode tok/s = {r['decode_tok_s_definition']}")
     print(f"{'round':>5} {'prompt':>6} {'ptoks':>5} {'llama.cpp':>9} {'ar':>7} {'ar/llama':>8} "
@@ -345,6 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversations", default=str(CONVERSATIONS),
                    help="evaluation conversations (fixed prompts when missing)")
     p.add_argument("--model", help="GGUF (default: the embedded SmolLM2)")
+    p.add_argument("--raw", action="store_true",
+                   help="prompts as text to continue, no chat template (a base model)")
     p.add_argument("--venv", help="llama.cpp's venv (default: ~/.cache/adaspark/llamacpp/venv)")
     p.add_argument("--jobs", type=int, default=2, help="CMAKE_BUILD_PARALLEL_LEVEL")
     p.add_argument("--no-avx512", action="store_true",

@@ -38,3 +38,19 @@ def test_rounds_group_by_rows_verified():
     assert eight["time"] == pytest.approx(0.015 / 0.042)
     assert two["accepted"] == pytest.approx(1 / 3) and eight["accepted"] == 4
     assert two["D_ms"] == pytest.approx(2.0) and two["verify_ms"] == pytest.approx(7.0)
+
+
+def _reply(conv: str, tokens: int, seconds: float) -> dict:
+    return {"conversation": conv, "decode_tokens": tokens, "decode_s": seconds,
+            "draft_rounds": 0, "plain_rounds": tokens, "ngram_rounds": 0, "verified_rows": tokens}
+
+
+def test_speeds_by_source_pool_runs_and_divide_by_the_base_arm():
+    sources = {"a#1": "longbench", "b#1": "oasst", "c#1": "longbench"}
+    results = {"ar": [[_reply("a#1", 100, 1.0), _reply("b#1", 50, 0.5), _reply("c#1", 100, 1.0)]],
+               "ngram": [[_reply("a#1", 100, 0.5), _reply("b#1", 50, 1.0),
+                          _reply("c#1", 100, 0.5)]]}
+    header, _rule, ar, ngram = arms.by_source(results, sources, "ar")
+    assert header == "| arm | longbench | oasst |"
+    assert ar == "| ar | 100.0 | 100.0 |"
+    assert ngram == "| ngram | 2.00x | 0.50x |"  # 200 tok/s on longbench, 50 on oasst

@@ -9,8 +9,10 @@ from every request's rounds; the server's worker batches the arms."""
 
 from __future__ import annotations
 
+import json
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from adaspark.drafter.loading import load_drafter
 from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
+from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.round import Scheduler
 from adaspark.server.worker import EngineWorker, Job, QueueFull
@@ -211,16 +214,28 @@ def held_rate(tokens: float, time_ms: float) -> BandRate:
 def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_zero(engine):
     caps = (40, 32, 24)
     want = [solo(engine, p, max_tokens=n) for p, n in zip(PROMPTS[:3], caps, strict=True)]
-    sched = engine.speculator.scheduler
+    sched, spec = engine.speculator.scheduler, engine.speculator
     cut, cuts = sched.cut, []
     sched.cut = lambda plan, keep, **kw: cuts.append((plan.rows, keep)) or cut(plan, keep, **kw)
+    totals = []  # each shared call: (its step's price table, the rows it verified)
+
+    def share(seqs, rows):
+        out = spec.share_rows(seqs, rows)
+        if seqs[0].step is not None:
+            totals.append((seqs[0].step.prices, sum(len(r[0]) for r in out)))
+        return out
+
+    engine.batch.before_verify = share
 
     def run(tokens: float, time_ms: float):
-        engine.speculator.step_rate = held_rate(tokens, time_ms)
+        spec.step_rate = held_rate(tokens, time_ms)
         cuts.clear()
+        totals.clear()
         seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
                                         for p, n in zip(PROMPTS[:3], caps, strict=True)])
         assert all(same(engine.result(s), w) for s, w in zip(seqs, want, strict=True))
+        # no call verified a total past the measured classes other than a class's top
+        assert totals and all(np.isfinite(prices[t]) for prices, t in totals)
         return calls
 
     def extra_rows(calls) -> float:  # rows past the plain ones, per shared call
@@ -235,10 +250,14 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
         high = run(1e12, 1.0)
         assert all(keep < rows - 1 for rows, keep in cuts)
         # a rate of zero: every planned candidate pays, each request verifies its own plan
+        # but for the candidates that would take the call to a total no price allows
+        spec.plain_floor = False  # (else the rate is at least the plain step's)
         zero = run(0.0, 1e12)
-        assert cuts == [] and extra_rows(zero) > extra_rows(high)
+        assert extra_rows(zero) > extra_rows(high)
     finally:
+        spec.plain_floor = True
         del sched.cut
+        engine.batch.before_verify = spec.share_rows
 
 
 def test_the_worker_batches_the_ngram_arm(engine):
@@ -326,6 +345,7 @@ def test_verify_many_taps_each_sequences_rows_as_its_verify_alone(fast_model, mo
     assert_verify_many_is_each_verify_alone(fast_model)
     native = fast_model.kernels.choose(1)
     monkeypatch.setattr(fast_model.kernels, "best", {2: native})  # 3 rows: bf16 alone
+    monkeypatch.setattr(fast_model.kernels, "wide", "bf16")
     assert fast_model.kernels.choose(3) == "bf16"
     assert_verify_many_is_each_verify_alone(fast_model)
 
@@ -446,26 +466,122 @@ def test_the_worker_batches_a_drafting_arm(drafting):
 
 def test_beside_others_a_round_drafts_only_where_the_step_price_pays(drafting, monkeypatch):
     """Where every row past the step's plain ones costs more than a token at the batch's rate,
-    no tree pays: only a request's first round and a bucket's first draft (which teaches the
-    tree a draft makes there) draft; where rows are free at a rate near zero, more do. Tokens
-    equal the solo runs either way."""
+    no tree pays: beside others no draft call runs past the requests' first rounds (a bucket
+    with no drafted tree of its own yet is priced by the first rounds' trees); where rows are
+    free at a rate near zero, drafts run beside others. The decision reads the step's prices
+    once a step. Tokens equal the solo runs either way."""
     caps = (40, 32, 24)
     want = [solo(drafting, p, max_tokens=n) for p, n in zip(PROMPTS[:3], caps, strict=True)]
-    sched, drafts = drafting.speculator.scheduler, []
+    sched, drafts, tables = drafting.speculator.scheduler, [], []
     draft = RoundDecode._draft
-    monkeypatch.setattr(RoundDecode, "_draft", lambda self: drafts.append(1) or draft(self))
 
-    def run(step_ms, tokens: float, time_ms: float) -> int:
-        monkeypatch.setattr(sched, "step_price", lambda rows, context: step_ms(rows))
+    def spied(self):  # (planned at a step price beside others, the request's first round)
+        drafts.append((self.step is not None, self.request.rounds == 0))
+        return draft(self)
+
+    monkeypatch.setattr(RoundDecode, "_draft", spied)
+
+    def run(step_ms, tokens: float, time_ms: float) -> list:
+        def table(rows, most, context):
+            tables.append(rows)
+            return np.array([step_ms(total) for total in range(most + 1)])
+
+        monkeypatch.setattr(sched, "step_prices", table)
         drafting.speculator.step_rate = held_rate(tokens, time_ms)
         drafts.clear()
-        seqs, _ = together(drafting, [{"messages": p, "max_tokens": n}
-                                      for p, n in zip(PROMPTS[:3], caps, strict=True)])
+        tables.clear()
+        seqs, calls = together(drafting, [{"messages": p, "max_tokens": n}
+                                          for p, n in zip(PROMPTS[:3], caps, strict=True)])
         assert all(same(drafting.result(s), w) for s, w in zip(seqs, want, strict=True))
-        return len(drafts)
+        assert len(tables) == sum(len(c) > 1 for c in calls)  # once a shared step
+        return [first for beside, first in drafts if beside]
 
     # 3 plain rows at 10 ms each, 0.1 tokens per ms: a row past them costs 10 tokens' time
     expensive = run(lambda rows: 10.0 * rows if rows <= 3 else 1e3 * rows, 3.0, 30.0)
-    assert expensive <= 3 + 6  # first rounds, then at most one a bucket (5 and the first's)
+    assert all(expensive)  # beside others only first rounds drafted
     cheap = run(lambda rows: 30.0, 1e-9, 1.0)
-    assert cheap > expensive  # the paced gate arm from a fresh store drafts little anyway
+    assert not all(cheap)  # rows free: later rounds draft beside others too
+    # the batch measured what a draft adds to a plan beside others (the next steps' draft_ms)
+    undrafted_ms, drafted_ms = drafting.speculator.plan_ms
+    assert undrafted_ms is not None and drafted_ms is not None and drafted_ms > undrafted_ms
+
+
+def test_a_request_ending_beside_others_leaves_the_store_to_the_last_one(drafting, tmp_path,
+                                                                         monkeypatch):
+    """The learned store's save (an fsync) and the cost laws' refit stall every running
+    stream: beside others a finished request's state waits for the last running one to end
+    (or SAVE_EVERY_S)."""
+    from adaspark import speculative
+    from adaspark.scheduler.store import Store
+
+    monkeypatch.setattr(speculative, "SAVE_EVERY_S", 1e9)
+    store = Store(tmp_path, {"test": 1})
+    drafting.speculator.store = store
+    sched, refits = drafting.speculator.scheduler, []
+    refit = sched.refit
+    monkeypatch.setattr(sched, "refit", lambda: refits.append(1) or refit())
+    try:
+        seqs, _ = together(drafting, [{"messages": p, "max_tokens": n}
+                                      for p, n in zip(PROMPTS[:3], (24, 16, 8), strict=True)])
+        assert all(seq.finished and seq.error is None for seq in seqs)
+        assert store.saves == 1 and store.load() == json.loads(json.dumps(
+            drafting.speculator.scheduler.state_dict()))
+        assert len(refits) == 1  # once, by the last request to end
+        solo(drafting, PROMPTS[1], max_tokens=4)  # alone: refit and saved at its end
+        assert store.saves == 2 and len(refits) == 2
+    finally:
+        drafting.speculator.store = None
+
+
+def test_a_plain_round_beside_others_feeds_its_kept_row_to_its_own_drafter(drafting,
+                                                                          monkeypatch):
+    """Where no row past the step's plain ones pays, the rounds beside others are one-row
+    rounds (most rounds under load), whose take() hands the slot's drafter its row's taps
+    without an index: each adds exactly the kept row's taps to its own drafter (the features
+    its next drafts read), and the tokens equal the solo runs."""
+    caps = (24, 16, 20)
+    want = [solo(drafting, p, max_tokens=n) for p, n in zip(PROMPTS[:3], caps, strict=True)]
+    sched = drafting.speculator.scheduler
+    monkeypatch.setattr(sched, "step_prices", lambda rows, most, context: np.array(
+        [10.0 * total if total <= 3 else 1e3 * total for total in range(most + 1)]))
+    drafting.speculator.step_rate = held_rate(3.0, 30.0)  # a row past 3 costs 100 tokens' time
+    take, plain = RoundDecode.take, []
+
+    def checked(self, argmax, logits=None, step=None, hiddens=None):
+        drafter, before = self.slot.drafter, self.slot.drafter.length
+        take(self, argmax, logits, step, hiddens=hiddens)
+        if self._plan.rows == 1 and step.sequences > 1:
+            kept = torch.stack([hiddens[layer][:1] for layer in drafter.tap_layers], -2)
+            assert drafter.length == before + 1
+            assert torch.equal(drafter._pending[-1], kept)  # queued for its next draft
+            plain.append(id(self))
+
+    monkeypatch.setattr(RoundDecode, "take", checked)
+    seqs, _ = together(drafting, [{"messages": p, "max_tokens": n}
+                                  for p, n in zip(PROMPTS[:3], caps, strict=True)])
+    assert all(same(drafting.result(s), w) for s, w in zip(seqs, want, strict=True))
+    assert len(plain) >= 30 and len(set(plain)) == 3
+    assert_slots_aligned(drafting)
+
+
+def test_a_step_prices_time_at_least_at_the_plain_steps_rate(drafting, monkeypatch):
+    """The batch's rate is its own: where drafting lowered it, rows would look cheap and draw
+    more drafting. A step's rate is at least its plain rows over their price."""
+    sched, spec, rates = drafting.speculator.scheduler, drafting.speculator, []
+    monkeypatch.setattr(sched, "step_prices",
+                        lambda rows, most, context: np.array([8.0 * t for t in range(most + 1)]))
+    table = StepPrice.table
+    monkeypatch.setattr(StepPrice, "table", staticmethod(
+        lambda rows, prices, rate, draft_ms=None: rates.append((rows, rate))
+        or table(rows, prices, rate, draft_ms)))
+    for floor in (True, False):
+        spec.plain_floor, spec.step_rate = floor, held_rate(1e3, 1e9)  # 1e-6 tokens a ms
+        rates.clear()
+        seqs, _ = together(drafting, [{"messages": p, "max_tokens": 12} for p in PROMPTS[:3]])
+        assert all(seq.finished and seq.error is None for seq in seqs)
+        assert rates, "no shared step was priced"
+        if floor:  # 3 plain rows at 24 ms: 1/8 token a ms, far above what the batch learned
+            assert all(rate == pytest.approx(1.0 / 8.0) for _, rate in rates), rates
+        else:  # the batch's own rate (it moves a little with every step's tokens)
+            assert all(rate < 1e-5 for _, rate in rates), rates
+    spec.plain_floor = True

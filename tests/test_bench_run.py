@@ -207,3 +207,13 @@ def test_an_arm_on_another_forward_is_refused(tmp_path):
     (tmp_path / "forwards.json").write_text("{not json")
     with pytest.raises(UserError, match="corrupt"):
         check_forward(tmp_path, "ar", "native-avx512vnni", log)
+
+
+def test_first_turns_subset_keeps_every_conversation_and_only_its_first_turn():
+    from adaspark.bench.conversations import SUBSETS, Conversation
+    convs = [Conversation(source=src, id=str(i), category="c", turns=[f"q{i}", f"r{i}", "x"])
+             for i, src in enumerate(["oasst", "oasst", "longbench"])]
+    first = SUBSETS["first-turns"](convs)
+    assert [c.key for c in first] == [c.key for c in convs]
+    assert [f.turns for f in first] == [["q0"], ["q1"], ["q2"]]
+    assert [c.turns for c in SUBSETS["short"](convs)] == [["q0", "r0"], ["q2", "r2"]]

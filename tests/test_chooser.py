@@ -216,3 +216,32 @@ def test_cost_model_splits_only_where_the_chooser_says_a_width_could_win():
     rising = cumulative([0.5] * 7 + [0.3] * 8 + [0.0] * 48)
     assert held(chooser, model, rising) == 16
     assert model.maybe_split(16, chooser.held_rounds, 700, chooser.wins) == 15
+
+
+def test_scores_are_eq7_of_every_offer_and_ties_go_narrower():
+    # choose() scores every offer in one inlined loop: each score must be V(n) of Eq. (7) (or
+    # the ratio under ratio_rule / a cold band), summed in the docstring's order.
+    s_d = cumulative([0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01])
+    s_n = cumulative([0.0, 0.2, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0])  # 11 prefix sums
+    offers = [(2, 6.0), (4, 7.0), (8, 9.5), (16, 14.0), (32, 25.0)]
+    for ratio_rule in (True, False):
+        rng = random.Random(7)
+        chooser = Chooser(ratio_rule=ratio_rule)
+        for _ in range(40):           # gains away from 1 above and below n0, a warm band
+            chooser.learn(16, 900, 5, 30.0, offered=[4, 8, 16, 32], realised_drafter=[0.0] + [
+                rng.uniform(0, 6) for _ in range(10)], realised_ngram=[0.0] + [
+                rng.uniform(0, 2) for _ in range(10)], predicted_drafter=s_d,
+                predicted_ngram=s_n)
+        scores = chooser._scores(offers, s_d, s_n, 3.0, 900)  # what choose() ranks by
+        r = chooser._round
+        assert (r["rate"] is None) == ratio_rule and r["gains_above"] != (1.0, 1.0)
+        for width, verify_ms in offers:
+            k = min(width - 1, 10)
+            g_d, g_n = r["gains_above"] if width >= 8 else r["gains_below"]
+            tokens = 1.0 + s_d[7] + s_n[7] + g_d * (s_d[k] - s_d[7]) + g_n * (s_n[k] - s_n[7])
+            time = 3.0 + verify_ms
+            want = tokens / time if ratio_rule else tokens - r["rate"] * time
+            assert scores[width] == want == chooser.value(width, verify_ms)
+            assert chooser.tokens(width) == tokens
+    tie = Chooser(hysteresis=False)
+    assert tie.best([(8, 10.0), (4, 10.0)], [0.0, 1.0], [0.0, 0.0], 0.0, 100) == (4, 10.0)

@@ -2,6 +2,7 @@
 clock, persistence."""
 
 import json
+import math
 import random
 
 import numpy as np
@@ -109,6 +110,42 @@ def test_refit_trainer_is_the_shared_ftrl_bit_for_bit():
     assert fast.state_dict() == reference.state_dict()
     assert max(reference.n) == 400.0
     assert fast.weights.tobytes() == reference.weights.tobytes()
+
+
+def test_online_law_steps_are_the_shared_ftrl_bit_for_bit():
+    # QuantileLaw learns in plain floats (LawFTRL); each step must equal FTRLProximal's.
+    rng = random.Random(4)
+    law, reference = QuantileLaw(), _new_ftrl()
+    for k in range(600):             # long enough for the intercept's n to reach its cap
+        c, ms = rng.uniform(50, 20000), rng.uniform(5.0, 40.0)
+        law.learn(c, ms)
+        if k < 2:
+            continue
+        steps = [(basis(c0), t0 / law.scale) for c0, t0 in law.first] if k == 2 else [
+            (basis(c), ms / law.scale)]
+        for phi, y in steps:
+            w = reference.weights.tolist()
+            slope = -QUANTILE if y > _dot(w, phi) else 1.0 - QUANTILE
+            reference.update([slope * p for p in phi])
+        assert law.ftrl.weights.tobytes() == reference.weights.tobytes()
+    assert law.ftrl.state_dict() == reference.state_dict()
+    assert max(reference.n) == 400.0
+    restored = QuantileLaw()
+    restored.load_state_dict(json.loads(json.dumps(law.state_dict())))
+    law.learn(700, 12.0)
+    restored.learn(700, 12.0)        # a restored law steps on exactly as the original
+    assert restored.state_dict() == law.state_dict()
+
+
+def test_basis_is_memoised_without_changing_a_bit():
+    u = 512 / 8192
+    assert basis(512) is basis(512.0)            # one entry, the same floats either way
+    assert basis(512) == (1.0, u, u * u, math.sqrt(u), math.log1p(u))
+    other = basis(np.float64(300.5))             # other types are computed, as they were
+    assert other is not basis(300.5) and type(other[1]) is np.float64
+    assert other == basis(300.5)
+    zero = basis(-0.0)                           # zero is not memoised: -0.0 keeps its sign
+    assert str(zero[1]) == "-0.0" and str(basis(0)[1]) == "0.0"
 
 
 def test_refit_is_adopted_when_it_wins_on_held_out_samples():

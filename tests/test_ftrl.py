@@ -100,3 +100,37 @@ def test_expected_variance_keeps_the_gate_shut_before_a_rare_outcome():
         expected.update([q], variance=[q * (1 - q)])
     assert realised.weights[0] < 0.0
     assert expected.weights[0] == 0.0
+
+
+def reference_update(ftrl, g, variance=None):
+    """FTRLProximal's step as first written: every term recomputed, clip always applied."""
+    if variance is not None:
+        ftrl.v = np.minimum(ftrl.v + variance, ftrl.n_cap)
+    n_new = np.minimum(ftrl.n + g * g, ftrl.n_cap)
+    sigma = (np.sqrt(n_new) - np.sqrt(ftrl.n)) / ftrl.alpha
+    ftrl.z += g - sigma * (ftrl.w - ftrl.prior)
+    ftrl.n = n_new
+    threshold = ftrl.l1 + ftrl.gate * np.sqrt(np.maximum(ftrl.n, ftrl.v))
+    shrunk = np.sign(ftrl.z) * np.maximum(np.abs(ftrl.z) - threshold, 0.0)
+    ftrl.w = np.clip(ftrl.prior + -shrunk / ((ftrl.beta + np.sqrt(ftrl.n)) / ftrl.alpha
+                                             + ftrl.l2), ftrl.lower, ftrl.upper)
+
+
+@pytest.mark.parametrize("gate, lower", [(0.0, None), (3.0, None), (0.0, [0.0, -1.0, 0.0])])
+def test_update_equals_the_reference_step_bit_for_bit(gate, lower):
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(2)
+    prior = np.array([1.0, 0.0, 0.5])
+    ftrl = FTRLProximal(prior, [0.05, 0.5, 0.1], beta=1.0, l1=0.002, l2=0.01, gate=gate,
+                        n_cap=40.0, lower=lower)
+    ref = SimpleNamespace(prior=prior, alpha=ftrl.alpha, beta=1.0, l1=0.002, l2=0.01,
+                          gate=gate, n_cap=40.0, lower=ftrl.lower, upper=ftrl.upper,
+                          z=np.zeros(3), n=np.zeros(3), v=np.zeros(3), w=prior.copy())
+    for step in range(300):             # n reaches its cap of 40
+        g = rng.normal(size=3) * (step % 5 != 0)
+        var = rng.uniform(0, 2, 3) if gate else None
+        ftrl.update(g, var)
+        reference_update(ref, g, var)
+        assert ftrl.weights.tobytes() == ref.w.tobytes() and ftrl.z.tobytes() == ref.z.tobytes()
+    assert ftrl.n.max() == 40.0 and not ftrl.weights.flags.writeable

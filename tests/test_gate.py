@@ -66,3 +66,21 @@ def test_rates_stored_in_another_unit_are_not_loaded():
     assert other.faster(0) is True
     with pytest.raises(ValueError):
         DraftGate(unit="s")
+
+
+def test_drafted_curve_is_the_decayed_mean_of_edge_padded_trees():
+    import numpy as np
+
+    from adaspark.scheduler.gate import TREE_DECAY
+
+    gate, weight, total = DraftGate(), 0.0, np.zeros(1)
+    rng = np.random.default_rng(3)
+    for size in (5, 0, 9, 3, 9, 12, 1):   # shorter and longer trees than the sum so far
+        q = rng.uniform(0, 1, size)
+        s = np.concatenate([[0.0], np.cumsum(q)])
+        n = max(s.size, total.size)
+        total, s = (np.pad(x, (0, n - x.size), mode="edge") for x in (total, s))
+        weight, total = TREE_DECAY * weight + 1.0, TREE_DECAY * total + s
+        gate.learn_tree(2, q)
+        assert gate.drafted_curve(2).tobytes() == (total / weight).tobytes()
+    assert gate.drafted_curve(None) is None

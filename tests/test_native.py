@@ -248,6 +248,20 @@ def test_every_build_multiplies_bit_for_bit_alike(gguf):
             assert torch.equal(got, results[0])
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_every_row_count_of_each_packing_gives_each_row_alone(isa, gguf):
+    """Every pass width of the kernels for each integer packing (plain AVX2: 8 rows a pass and
+    each remainder of 1-7, its own kernel per width; VNNI: 4 a pass; AMX from 5 rows): every
+    row of a call comes out with the bits it has alone."""
+    module = module_for(isa)
+    for i, t in enumerate(agreement_cases(gguf)):
+        w = native.pack(module, [t])
+        x = torch.randn(17, t.shape[1]) * torch.logspace(-2, 2, 17)[:, None]
+        alone = torch.cat([w.matmul(x[r:r + 1]) for r in range(17)])
+        for rows in range(2, 18):
+            assert torch.equal(w.matmul(x[:rows]), alone[:rows]), (i, rows)
+
+
 @pytest.mark.parametrize("qtype,zero", [("Q8_0", 128), ("Q4_0", 8), ("Q4_1", 0)])
 def test_symmetric_blocks_are_multiplied_in_integers(qtype, zero):
     """Q8_0 (m = -128 d) and Q4_0 (m = -8 d) take the integer path (sum(u*q) - zero*sum(q));

@@ -86,6 +86,24 @@ def test_prefill_in_chunks_equals_one_chunk(model, monkeypatch):
         assert torch.equal(chunked.hiddens[layer], whole.hiddens[layer])
 
 
+@pytest.mark.parametrize("context", [PROMPT[:1], PROMPT])
+def test_a_long_chain_equals_its_rows_in_a_tree(model, context):
+    """A chain of 17 rows or more (a prefill chunk) attends over the cache with key tiles shared
+    by many queries and no mask (attention.h, attend_chain); a side branch makes the same rows
+    a tree, which takes the masked path: each row comes out the same bit for bit."""
+    ids = [(37 * i + 11) % 9000 + 100 for i in range(40)]
+    chain = list(range(-1, len(ids) - 1))
+    tree = chain + [0]  # one more row beside row 1: not a chain
+    depth = list(range(len(ids)))  # depths() recurses exponentially on a chain this long
+    model.reset()
+    model.prefill(context)
+    a = model.verify(ids, depth, ancestors(chain), TAPS, return_logits=True)
+    model.reset()
+    model.prefill(context)
+    b = model.verify(ids + [5], depth + [1], ancestors(tree), TAPS, return_logits=True)
+    assert_same_rows(a, b, list(range(len(ids))))
+
+
 def test_native_stays_near_float32_reference(model, reference_model):
     """Activations rounded to int8 per block of 32 (as ggml does for these weights) move the
     last layer's rows by a few percent of the float32 reference (measured ~4%); 2^-3 leaves

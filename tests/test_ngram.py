@@ -172,3 +172,19 @@ def test_no_chains_below_a_stop_pick():
     ng = np.flatnonzero(tree.kind == NGRAM)
     assert ng.size > 0 and set(tree.parent[ng[:1]].tolist()) == {0}
     assert not np.any(np.isin(tree.parent[ng], [2, 4]))
+
+
+def test_chain_priors_follow_the_precision_as_it_changes():
+    # chains() keeps the precision's logit until extend() counts a proposal: every round's
+    # n-gram nodes must carry the precision of the text committed so far.
+    index = NgramIndex(PASSAGE + PASSAGE[:10])
+    for step in range(6):
+        tree = CandidateTree.undrafted(index.hist[-1])
+        index.chains(tree)
+        p = index.precision
+        want = np.log(p / (1.0 - p))
+        ng = np.flatnonzero(tree.kind == NGRAM)
+        assert ng.size and np.array_equal(tree.logit_p[ng], want[tree.bucket[ng] // 3])
+        before = p.copy()
+        index.extend([PASSAGE[10 + step]])  # the proposal was right: its precision rises
+        assert not np.array_equal(index.precision, before)

@@ -465,3 +465,39 @@ def test_beside_others_a_round_drafts_only_where_the_step_price_pays_for_its_tre
     cheap, total = batch_drafts(lambda rows: 30.0, 0.1)
     assert cheap == total
 
+
+
+def test_end_request_can_leave_the_refit_to_a_later_call():
+    """A batch ends a request beside others without the refit (it would stall their step) and
+    refits once they are done: the same laws as refitting at the end."""
+    _, now = gate_rounds("adaspark,gate", drafter_right=True, rounds=60)
+    _, later = gate_rounds("adaspark,gate", drafter_right=True, rounds=60)
+    before = json.dumps(later.cost.state_dict())
+    adopted = now.end_request()
+    assert later.end_request(refit=False) == 0 and later.request is None
+    assert json.dumps(later.cost.state_dict()) == before  # nothing refitted yet
+    assert later.refit() == adopted and adopted > 0
+    assert json.dumps(later.cost.state_dict()) == json.dumps(now.cost.state_dict())
+
+
+def test_the_ngram_tree_at_the_anchor_is_a_fresh_tree_each_round():
+    """_ngram_tree copies one empty tree (made once per stop ids) instead of building one: every
+    copy equals CandidateTree.undrafted + chains at its anchor, and chains on one copy (n-gram
+    nodes at a repeating anchor) leave the next (nothing proposed) empty."""
+    from adaspark.scheduler.ngram import NgramIndex
+    from adaspark.scheduler.tree import CandidateTree
+
+    sched = Scheduler(Arm.parse("adaspark,gate"))
+    stops = (2, 7)
+    repeating = [5, 6, 8, 9, 10, 11] * 4  # its last token is followed by 5, 6, ... before
+    for tokens in (repeating, [3, 4], repeating, [13, 12, 14]):
+        sched.begin_request(tokens)
+        got = sched._ngram_tree(stops)
+        want = CandidateTree.undrafted(tokens[-1], stops)
+        NgramIndex(tokens).chains(want)
+        assert got is not want and got.anchor == want.anchor == tokens[-1]
+        assert got.n_nodes == want.n_nodes and (got.n_nodes > 0) == (tokens is repeating)
+        for name, value in vars(want).items():
+            if isinstance(value, np.ndarray):
+                assert np.array_equal(getattr(got, name), value), name
+        assert got._pending == ([], [], [], [], [])

@@ -170,3 +170,20 @@ def test_accept_walk():
     assert accept(lay, [13, 0, 0, 0, 0, 0, 5]).committed == [13, 5]
     with pytest.raises(ValueError):
         accept(lay, [1, 2])
+
+
+def test_stop_flags_and_an_ngram_free_ranking():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 6, size=(4, 3))
+    block = Block(ids[:, 0].copy(), ids, np.sort(rng.normal(size=(4, 3)))[:, ::-1],
+                  rng.uniform(0.1, 0.9, 4))
+    for stops in ((), (2,), [2, 4], frozenset({4, 2}), (4, 2, 2)):
+        tree = CandidateTree.from_block(block, 0, stops)
+        want = np.isin(tree.token, list(stops))
+        assert tree.stop.dtype == bool and np.array_equal(tree.stop, want)
+        assert tree.stop_set == set(stops) and tree.stop_ids.tolist() == sorted(set(stops))
+    q = rng.uniform(0.05, 1.0, tree.n_nodes)
+    ranking = rank(tree, q)
+    Q = path_products(tree, np.where(tree.stop, 0.0, q))  # nothing at or below a stop
+    assert not tree.has_ngram and not ranking.S_ngram.any()
+    assert np.allclose(ranking.S_drafter, np.concatenate([[0.0], np.cumsum(Q[ranking.order])]))

@@ -128,6 +128,12 @@ def load_conversations(path: str | Path) -> list[Conversation]:
     return conversations
 
 
+def _first(conv: Conversation, turns: int) -> Conversation:
+    return Conversation(source=conv.source, id=conv.id, category=conv.category,
+                        turns=conv.turns[:turns], tools=conv.tools, system=conv.system,
+                        tool_results=conv.tool_results[:turns])
+
+
 def short_subset(conversations: list[Conversation]) -> list[Conversation]:
     """The paper's short subset: the first two turns of the first conversation of each source."""
     seen: set[str] = set()
@@ -136,15 +142,14 @@ def short_subset(conversations: list[Conversation]) -> list[Conversation]:
         if conv.source in seen:
             continue
         seen.add(conv.source)
-        out.append(
-            Conversation(
-                source=conv.source,
-                id=conv.id,
-                category=conv.category,
-                turns=conv.turns[:2],
-                tools=conv.tools,
-                system=conv.system,
-                tool_results=conv.tool_results[:2],
-            )
-        )
+        out.append(_first(conv, 2))
     return out
+
+
+def first_turns(conversations: list[Conversation]) -> list[Conversation]:
+    """The first turn of every conversation: what a server meets from an empty store (no
+    cached history, each request the first of its conversation)."""
+    return [_first(conv, 1) for conv in conversations]
+
+
+SUBSETS = {"short": short_subset, "first-turns": first_turns}

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from adaspark.bench.conversations import load_conversations, short_subset
+from adaspark.bench.conversations import SUBSETS, load_conversations
 from adaspark.bench.runner import run_bench
 from adaspark.bench.servers import parse_external, plan_arms
 from adaspark.errors import UserError
@@ -29,8 +29,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap", type=int, default=1024, help="max tokens per reply")
     parser.add_argument("--out", type=Path, default=Path("runs/bench"),
                         help="results directory; an existing one is resumed")
-    parser.add_argument("--subset", choices=["short"],
-                        help="short: first two turns of the first conversation of each source")
+    parser.add_argument("--subset", choices=sorted(SUBSETS),
+                        help="short: first two turns of the first conversation of each source; "
+                             "first-turns: the first turn of every conversation")
     parser.add_argument("--once", action="store_true",
                         help="run adaspark once instead of before and after the other arms")
     parser.add_argument("--serve-args", default="",
@@ -60,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("no arms: give --arms and/or --url NAME=URL")
     runs = plan_arms(arms, external, repeat_adaspark=not args.once)
     conversations = load_conversations(args.conversations)
-    if args.subset == "short":
-        conversations = short_subset(conversations)
+    if args.subset:
+        conversations = SUBSETS[args.subset](conversations)
     out = run_bench(
         conversations,
         runs,

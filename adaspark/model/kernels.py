@@ -168,13 +168,15 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
 # --- choosing the kernel by row count ----------------------------------------------------------
 
 class KernelTable:
-    """The fastest kernel for each verify width; rows past the ladder's top use bf16."""
+    """The fastest kernel for each verify width; rows past the ladder's top use `wide` (bf16,
+    flat in rows, unless the table is one kernel's)."""
 
     def __init__(self, best: dict[int, str], times_ms: dict[str, dict[int, float]] | None = None,
-                 source: str = "given"):
+                 source: str = "given", wide: str = "bf16"):
         self.best = dict(sorted(best.items()))
         self.times_ms = times_ms or {}
         self.source = source  # how it was chosen, for benchmark and log lines
+        self.wide = wide
 
     @classmethod
     def default(cls, source: str = "default table") -> KernelTable:
@@ -183,13 +185,16 @@ class KernelTable:
 
     @classmethod
     def only(cls, kernel: str) -> KernelTable:
-        return cls({n: kernel for n in LADDER}, source=f"{kernel} only")
+        """Every row count on `kernel`, prefill chunks too: the native forward's table, where a
+        token's K/V and a row's output must not depend on how many rows shared its call (a
+        prompt over a cached prefix equals its whole prefill, docs/batching.md "Exactness")."""
+        return cls({n: kernel for n in LADDER}, source=f"{kernel} only", wide=kernel)
 
     def choose(self, rows: int) -> str:
         for n, kernel in self.best.items():
             if rows <= n:
                 return kernel
-        return "bf16"
+        return self.wide
 
 
 def crossover_table(times: dict[str, dict[int, float]]) -> dict[int, str]:

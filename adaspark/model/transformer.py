@@ -20,7 +20,8 @@ Layout choices:
 - Precision "fast" on a CPU with the native build (native/: target.h): one native call per
   forward, quantised weights times int8-quantised activations, an fp16 KV cache, every row's
   arithmetic independent of the other rows (a tree row is bit-identical to the same row
-  decoded alone).
+  decoded alone). Every row count runs it, prefill chunks too, so a prompt over a cached prefix
+  equals its whole prefill.
 - Precision "fast" otherwise (CUDA, no compiler, or an explicit `kernel`): float32 residual
   stream and norms; matmuls in bf16 activations with the kernel chosen by row count
   (kernels.py); float32 KV cache and SDPA attention (rounding there follows the tree layout:

@@ -47,6 +47,7 @@ half-life of 256 labelled parents; the fitted model prices only while its loss i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,9 +100,10 @@ def prior_coefficients() -> np.ndarray:
 
 def parent_softmax(parent: np.ndarray, s: np.ndarray) -> np.ndarray:
     """q_j = exp(s_j) / (1 + sum of exp(s_i) over j's parent's candidates)."""
-    e = np.exp(np.clip(s, -SCORE_CLIP, SCORE_CLIP))
-    denom = 1.0 + np.bincount(parent + 1, weights=e, minlength=s.size + 1)
-    return e / denom[parent + 1]
+    e = np.exp(np.minimum(np.maximum(s, -SCORE_CLIP), SCORE_CLIP))  # np.clip, without its wrapper
+    slot = parent + 1
+    denom = 1.0 + np.bincount(slot, weights=e, minlength=s.size + 1)
+    return e / denom[slot]
 
 
 def multinomial_log_loss(parent: np.ndarray, s: np.ndarray, labels: Labels) -> float:
@@ -132,10 +134,11 @@ def label_nodes(tree: CandidateTree, labelled_parents, parent_targets) -> Labels
     targets = np.asarray(parent_targets, dtype=np.int64).reshape(-1)
     if parents.shape != targets.shape:
         raise UserError("labelled_parents and parent_targets must have the same length")
-    slot = np.full(tree.n_nodes + 1, -1, dtype=np.int64)
+    slot = np.empty(tree.n_nodes + 1, dtype=np.int64)
+    slot.fill(-1)
     slot[parents + 1] = np.arange(parents.size)
     rank_of = slot[tree.parent + 1]
-    nodes = np.flatnonzero(rank_of >= 0)
+    nodes = (rank_of >= 0).nonzero()[0]
     rank = rank_of[nodes]
     return Labels(nodes, rank, tree.token[nodes] == targets[rank], int(parents.size))
 
@@ -163,6 +166,20 @@ class RoundLoss:
     head: float
 
 
+@functools.lru_cache(maxsize=8)
+def _drafter_columns(B: int, K: int) -> np.ndarray:
+    """The drafter rows' columns that depend on the block's shape alone (read only): the pick's
+    and the sibling's intercepts and depth - 1; every other column 0."""
+    Xd = np.zeros((B, K, N_COEF))
+    above = np.arange(B, dtype=np.float64)  # depth - 1
+    Xd[:, 0, 0] = 1.0
+    Xd[:, 0, 7] = above
+    Xd[:, 1:, 3] = 1.0
+    Xd[:, 1:, 8] = above[:, None]
+    Xd.setflags(write=False)
+    return Xd.reshape(B * K, N_COEF)
+
+
 def design(tree: CandidateTree, context_len: int,
            temperature: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Feature matrix X[N, N_COEF] and fixed offset[N] so that s = X @ w + offset + b_req."""
@@ -178,24 +195,22 @@ def design(tree: CandidateTree, context_len: int,
         X[:, TEMP0 + 2] = temperature
         X[np.arange(N), BUCKET0 + tree.bucket] = 1.0
         return X, tree.logit_p.copy()
-    # Drafter nodes are node i*K + k (k == 0 the pick): fill them as a [B, K, N_COEF] view.
+    # Drafter nodes are node i*K + k (k == 0 the pick): fill them as a [B, K, N_COEF] view,
+    # the columns that depend on the block's shape alone copied from _drafter_columns.
+    X[:D] = _drafter_columns(B, K)
     Xd = X[:D].reshape(B, K, N_COEF)
     lh = tree.logit_head[:D:K]
     ls = tree.logit_share[:D:K]
-    above = np.arange(B, dtype=np.float64)  # depth - 1
-    Xd[:, 0, 0] = 1.0
     Xd[:, 0, 1] = lh
     Xd[:, 0, 2] = ls
-    Xd[:, 0, 7] = above
     Xd[:, 0, 9] = ctx
-    Xd[:, 1:, 3] = 1.0
     Xd[:, 1:, 4] = tree.log_r[:D].reshape(B, K)[:, 1:]
     Xd[:, 1:, 5] = lh[:, None]
     Xd[:, 1:, 6] = ls[:, None]
-    Xd[:, 1:, 8] = above[:, None]
     Xd[:, 1:, 10] = ctx
-    Xd[:, 0, TEMP0] = temperature
-    Xd[:, 1:, TEMP0 + 1] = temperature
+    if temperature != 0.0 or math.copysign(1.0, temperature) < 0.0:  # else they stay 0.0
+        Xd[:, 0, TEMP0] = temperature
+        Xd[:, 1:, TEMP0 + 1] = temperature
     offset = np.zeros(N)
     if N > D:  # n-gram nodes follow the drafter's
         X[D:, 11] = ctx
@@ -203,15 +218,29 @@ def design(tree: CandidateTree, context_len: int,
         X[np.arange(D, N), BUCKET0 + tree.bucket[D:]] = 1.0
         offset[D:] = tree.logit_p[D:]
     lp = tree.logit_p[:D]
-    rows = np.flatnonzero(tree.agreed_bucket >= 0)
+    rows = (tree.agreed_bucket >= 0).nonzero()[0]
     if rows.size:
         X[rows, AGREED0 + 2 * tree.agreed_bucket[rows] + (rows % K != 0)] = 1.0
         offset[rows] += np.maximum(lp[rows], 0.0)
-    rows = np.flatnonzero(tree.contra_evidence >= 0)
+    rows = (tree.contra_evidence >= 0).nonzero()[0]
     if rows.size:
         X[rows, CONTRA0 + 2 * tree.contra_evidence[rows] + (rows % K != 0)] = 1.0
         offset[rows] -= np.maximum(lp[rows], 0.0)
     return X, offset
+
+
+def _gradient(X: np.ndarray, q: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """The log loss's gradient from the labelled nodes' rows X, fitted q and labels y."""
+    r = q - y
+    return X.T @ r, float(r.sum())
+
+
+def _fisher_diagonal(X: np.ndarray, q: np.ndarray, labels: Labels) -> np.ndarray:
+    """AcceptanceModel.expected_square_gradient from the labelled nodes' rows X and q."""
+    member = np.zeros((labels.n_parents, q.size))
+    member[labels.parent_rank, np.arange(q.size)] = 1.0
+    per_parent = member @ (X * q[:, None])
+    return (X * X).T @ q - np.einsum("pj,pj->j", per_parent, per_parent)
 
 
 class AcceptanceModel:
@@ -252,27 +281,21 @@ class AcceptanceModel:
         X, offset = design(tree, context_len, temperature)
         b = self.b_req.value
         q_fit = parent_softmax(tree.parent, X @ self.ftrl.weights + offset + b)
-        h = np.clip(tree.head_estimate, HEAD_CLIP, 1.0 - HEAD_CLIP)
+        h = np.minimum(np.maximum(tree.head_estimate, HEAD_CLIP), 1.0 - HEAD_CLIP)
         q_head = 1.0 / (1.0 + np.exp(-(logit(h) + self.head_offset.value)))
         fitted = self.fitted_preferred and not head_only
         return Scored(tree, X, offset, b, q_fit, q_head, q_fit if fitted else q_head, fitted)
 
     def gradient(self, scored: Scored, labels: Labels):
         """d(multinomial log loss)/d(coefficients) and /d(b_req), at the scored round's q."""
-        r = scored.q_fit[labels.nodes] - labels.y
-        return scored.X[labels.nodes].T @ r, float(r.sum())
+        return _gradient(scored.X[labels.nodes], scored.q_fit[labels.nodes], labels.y)
 
     @staticmethod
     def expected_square_gradient(scored: Scored, labels: Labels) -> np.ndarray:
         """The coefficients' gradient variance if the model's own q were true: per parent
         x'(diag q - q q')x on the diagonal (the Fisher information). The gate's 3-sigma test
         needs it where outcomes are rare (see ftrl.FTRLProximal)."""
-        X = scored.X[labels.nodes]
-        q = scored.q_fit[labels.nodes]
-        member = np.zeros((labels.n_parents, q.size))
-        member[labels.parent_rank, np.arange(q.size)] = 1.0
-        per_parent = member @ (X * q[:, None])
-        return (X * X).T @ q - np.einsum("pj,pj->j", per_parent, per_parent)
+        return _fisher_diagonal(scored.X[labels.nodes], scored.q_fit[labels.nodes], labels)
 
     def learn(self, scored: Scored, labelled_parents, parent_targets, placed_nodes=(),
               fit: bool = True) -> RoundLoss:
@@ -281,7 +304,10 @@ class AcceptanceModel:
         idx, y = lab.nodes, lab.y
         if idx.size == 0:
             return RoundLoss(0, 0.0, 0.0)
-        q = np.clip(np.stack([scored.q_fit[idx], scored.q_head[idx]]), LOSS_CLIP, 1 - LOSS_CLIP)
+        q_fit = scored.q_fit[idx]
+        q = np.empty((2, idx.size))  # np.stack, then np.clip's values in place
+        q[0], q[1] = q_fit, scored.q_head[idx]
+        np.minimum(np.maximum(q, LOSS_CLIP, out=q), 1 - LOSS_CLIP, out=q)
         losses = -np.where(y, np.log(q), np.log1p(-q))  # [fitted, head] x labelled node
         # Guard: decay once per labelled parent, parents in path order.
         decay = GUARD_DECAY ** (lab.n_parents - 1 - lab.parent_rank)
@@ -302,10 +328,11 @@ class AcceptanceModel:
         placed[np.asarray(placed_nodes, dtype=np.int64)] = True
         on_rows = placed[idx]
         if on_rows.any():
-            self.head_offset.update(float(np.sum(scored.q_head[idx[on_rows]] - y[on_rows])))
+            self.head_offset.update(float((scored.q_head[idx[on_rows]] - y[on_rows]).sum()))
         if fit:
-            g_coef, g_b = self.gradient(scored, lab)
-            self.ftrl.update(g_coef, self.expected_square_gradient(scored, lab))
+            X = scored.X[idx]  # gathered once for both (gradient, expected_square_gradient)
+            g_coef, g_b = _gradient(X, q_fit, y)
+            self.ftrl.update(g_coef, _fisher_diagonal(X, q_fit, lab))
             self.b_req.update(g_b)
             ng = idx[tree.kind[idx] == NGRAM]
             if ng.size:

@@ -15,6 +15,10 @@ API (stable; numpy only):
 
     StepPrice(rows, step_ms, rate)   one step as a request sees it before it plans: the rows so
         far (every running request's plain row), the price of a call and the batch's rate
+    StepPrice.table(rows, prices, rate, draft_ms=None)   the same from the price of every
+        total row count (prices[t]: t rows; inf where a call may not go, past the end too),
+        read once a step so that the draft decision and the budget cost no cost-model
+        evaluations; draft_ms: what a draft adds to a plan beside others, as measured
     draft_pays(s_drafted, s_undrafted, draft_ms, step) -> bool
         s_*[k]: the expected accepted candidates of a tree's first k candidates best-first
         (index 0 is 0.0); draft_ms: what drafting adds to the request's D. True when the
@@ -48,7 +52,7 @@ row's price does not fall, so a node needs a higher Q to pay: speculation recede
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -82,9 +86,15 @@ def allocate(candidates: Sequence[Sequence[float]], step_ms: Callable[[int], flo
     room = useful if cap is None else min(useful, cap - n)
     S = np.concatenate([[0.0], np.cumsum(q[:room])])
     price = np.array([step_ms(n + k) for k in range(room + 1)], dtype=np.float64)
-    value = S - rate * price
-    best = int(np.argmax(value))  # the first maximum: ties go to fewer rows
+    best = int(np.argmax(_net(S, price, rate)))  # the first maximum: ties go to fewer rows
     return np.bincount(owner[:best], minlength=n).tolist()
+
+
+def _net(s: np.ndarray, price: np.ndarray, rate: float) -> np.ndarray:
+    """S - rate * price, -inf where the price is inf (a total the call may not have), even at
+    a rate of zero."""
+    return np.where(np.isfinite(price), s - rate * np.where(np.isfinite(price), price, 0.0),
+                    -np.inf)
 
 
 @dataclass(frozen=True)
@@ -96,14 +106,44 @@ class StepPrice:
     rows: int
     step_ms: Callable[[int], float]
     rate: float
+    prices: np.ndarray | None = None  # table(): the price by total rows that step_ms reads
+    # what drafting adds to a request's plan beside others as the batch measured it (ms; None:
+    # not measured, the cost model's D prices it)
+    draft_ms: float | None = None
+    # value() by curve, within this step: its requests read the same curves (a bucket's
+    # drafted one, the empty tree's) and the step's price does not change
+    _values: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @classmethod
+    def table(cls, rows: int, prices: np.ndarray, rate: float,
+              draft_ms: float | None = None) -> StepPrice:
+        prices = np.asarray(prices, dtype=np.float64)
+
+        def step_ms(total: int) -> float:
+            return float(prices[total]) if 0 <= total < prices.size else np.inf
+
+        return cls(rows, step_ms, rate, prices, draft_ms)
 
     def value(self, s: Sequence[float]) -> float:
         """The best prefix of a tree added to the step: max over k of S(k) - rate * (the
         price of the step's rows plus k, less that of its rows alone); 0 for no candidate."""
         s = np.asarray(s, dtype=np.float64).reshape(-1)
-        base = self.step_ms(self.rows)
-        extra = np.array([self.step_ms(self.rows + k) - base for k in range(s.size)])
-        return float(np.max(s - self.rate * extra)) if s.size else 0.0
+        if not s.size:
+            return 0.0
+        key = s.tobytes()
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = self._value(s)
+        return value
+
+    def _value(self, s: np.ndarray) -> float:
+        if self.prices is not None:  # one slice of the table
+            extra = np.full(s.size, np.inf)
+            part = self.prices[self.rows:self.rows + s.size]
+            extra[:part.size] = part
+        else:
+            extra = np.array([self.step_ms(self.rows + k) for k in range(s.size)])
+        return float(np.max(_net(s, extra - extra[0], self.rate)))
 
 
 def draft_pays(s_drafted: Sequence[float], s_undrafted: Sequence[float], draft_ms: float,

@@ -121,6 +121,24 @@ def _at(values: Sequence[float], width: int) -> float:
     return values[min(width - 1, len(values) - 1)]
 
 
+def _tokens_at(r: dict, width: int) -> float:
+    """Expected tokens of `width` rows in the scored round `r` (Chooser._scores): 1 + S(n₀) +
+    the gains times the drafter's and the n-gram's ΔS from n₀, summed in that order."""
+    k = min(width - 1, r["last"])
+    g_d, g_n = r["gains_above"] if width >= r["n0"] else r["gains_below"]
+    return (r["base"] + g_d * (r["s_drafter"][k] - r["sd0"])
+            + g_n * (r["s_ngram"][k] - r["sn0"]))
+
+
+def _best(scores: dict[int, float]) -> int:
+    """The width of the highest score, the narrower on ties: max by (score, -width)."""
+    best, top = None, None
+    for w, score in scores.items():
+        if best is None or score > top or (score == top and w < best):
+            best, top = w, score
+    return best
+
+
 def _reference(widths: Sequence[int]) -> int:
     return next((w for w in widths if w >= REFERENCE_WIDTH), widths[-1])
 
@@ -147,14 +165,9 @@ class Chooser:
     def _tokens(self, width: int) -> float:
         r = self._round
         memo = r["tokens"]
-        if width in memo:
-            return memo[width]
-        n0 = r["n0"]
-        g_d, g_n = r["gains_above"] if width >= n0 else r["gains_below"]
-        s_d, s_n = r["s_drafter"], r["s_ngram"]
-        d_d = _at(s_d, width) - _at(s_d, n0)
-        d_n = _at(s_n, width) - _at(s_n, n0)
-        memo[width] = tokens = 1.0 + _at(s_d, n0) + _at(s_n, n0) + g_d * d_d + g_n * d_n
+        tokens = memo.get(width)
+        if tokens is None:
+            memo[width] = tokens = _tokens_at(r, width)
         return tokens
 
     def tokens(self, width: int) -> float:
@@ -189,15 +202,28 @@ class Chooser:
             raise UserError("s_drafter and s_ngram must be equal, non-empty per-prefix sums")
         widths = [w for w, _ in offers]
         band = self.rates.get(context_band(context))
-        self._round = {
-            "n0": _reference(widths), "offers": dict(offers), "tokens": {},
+        n0 = _reference(widths)
+        last = len(s_drafter) - 1
+        sd0, sn0 = s_drafter[min(n0 - 1, last)], s_ngram[min(n0 - 1, last)]
+        r = self._round = {
+            "n0": n0, "offers": dict(offers), "tokens": {},
             "s_drafter": s_drafter, "s_ngram": s_ngram,
             "fixed_ms": fixed_ms or 0.0,
             "rate": None if self.ratio_rule or band is None else band.rate,
             "gains_above": (self.above[0].value(context), self.above[1].value(context)),
             "gains_below": (self.below[0].value(context), self.below[1].value(context)),
+            # what every width's tokens share (_tokens_at): 1 + S(n0), the prefix sums' end
+            "base": 1.0 + sd0 + sn0, "sd0": sd0, "sn0": sn0, "last": last,
         }
-        return {w: self.value(w, t) for w, t in offers}
+        # value() of every offer, inlined (this is the chooser's loop, every round)
+        memo, fixed, rate = r["tokens"], r["fixed_ms"], r["rate"]
+        scores = {}
+        for w, t in offers:
+            tokens = memo.get(w)
+            if tokens is None:
+                memo[w] = tokens = _tokens_at(r, w)
+            scores[w] = tokens / (fixed + t) if rate is None else tokens - rate * (fixed + t)
+        return scores
 
     def best(self, offers: Sequence[tuple[int, float]], s_drafter: Sequence[float],
              s_ngram: Sequence[float], fixed_ms: float | None, context: float,
@@ -205,8 +231,8 @@ class Chooser:
         """(width, verify_ms) of the best offer by the same score as choose(), without
         hysteresis and without moving the incumbent (the draft gate's undrafted rounds)."""
         scores = self._scores(offers, s_drafter, s_ngram, fixed_ms, context)
-        width = max(scores, key=lambda w: (scores[w], -w))
-        return width, dict(offers)[width]
+        width = _best(scores)
+        return width, self._round["offers"][width]
 
     def choose(self, offers: Sequence[tuple[int, float]], s_drafter: Sequence[float],
                s_ngram: Sequence[float], fixed_ms: float | None, context: float) -> int:
@@ -214,7 +240,7 @@ class Chooser:
             return self.pinned
         scores = self._scores(offers, s_drafter, s_ngram, fixed_ms, context)
         widths = [w for w, _ in offers]
-        best = max(widths, key=lambda w: (scores[w], -w))       # ties go narrower
+        best = _best(scores)       # ties go narrower
         self.best_width = best  # before hysteresis (the round log's n-gram evidence reads it)
         if self.incumbent not in scores:
             # The first incumbent is the widest offered width, so the gains above n₀ can learn;

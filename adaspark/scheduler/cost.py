@@ -47,6 +47,8 @@ import math
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from adaspark.errors import UserError
 from adaspark.scheduler.bands import CONTEXT_UNIT, context_band
 from adaspark.scheduler.ftrl import FTRLProximal
@@ -71,9 +73,28 @@ BASIS_SIZE = 5
 
 
 def basis(context: float) -> tuple[float, float, float, float, float]:
-    """φ(u) of Eq. (4): redundant on purpose, so curvature past some context can be fitted."""
+    """φ(u) of Eq. (4): redundant on purpose, so curvature past some context can be fitted.
+
+    Memoised for positive int and float contexts (a round prices its context several times;
+    512 and 512.0 give the same φ bit for bit, so they may share an entry)."""
+    kind = type(context)
+    if (kind is int or kind is float) and context > 0:
+        phi = _BASES.get(context)
+        if phi is None:
+            if len(_BASES) >= _BASES_KEPT:
+                _BASES.clear()
+            phi = _BASES[context] = _basis(context)
+        return phi
+    return _basis(context)
+
+
+def _basis(context: float) -> tuple[float, float, float, float, float]:
     u = context / CONTEXT_UNIT
     return (1.0, u, u * u, math.sqrt(u), math.log1p(u))
+
+
+_BASES: dict[float, tuple[float, float, float, float, float]] = {}
+_BASES_KEPT = 4096
 
 
 def pinball(residual: float) -> float:
@@ -81,40 +102,113 @@ def pinball(residual: float) -> float:
     return residual * (QUANTILE - (1.0 if residual < 0.0 else 0.0))
 
 
+_PRIOR = (1.0, 0.0, 0.0, 0.0, 0.0)
+
+
 def _new_ftrl() -> FTRLProximal:
     # The intercept's prior is 1, the class's scale in normalised time: the law starts at the
     # scale and the elastic net pulls toward it (from 0, a fresh law would spend hundreds of
     # steps just reaching the scale). Context weights start at 0 and stay >= 0, so the law
     # never slopes down.
-    return FTRLProximal(prior=[1.0, 0.0, 0.0, 0.0, 0.0], alpha=RATE, beta=STABILISER, l1=L1,
+    return FTRLProximal(prior=list(_PRIOR), alpha=RATE, beta=STABILISER, l1=L1,
                         l2=L2, n_cap=N_CAP, lower=[-math.inf, 0.0, 0.0, 0.0, 0.0])
 
 
-def _train_fresh(order: list, passes: int) -> FTRLProximal:
-    """A fresh law trained `passes` times over `order` [(φ, y)]: the refit's inner loop.
+class LawFTRL:
+    """The cost laws' FTRL-Proximal (_new_ftrl's settings) in plain floats: the arithmetic of
+    adaspark.scheduler.ftrl.FTRLProximal step for step and bit for bit (a test holds the two
+    equal). A law's step is 5 coordinates, where numpy's per-call overhead is most of the cost
+    (an online step ~8x, the end-of-request refit's thousands of steps ~5x); the coordinates are
+    unrolled for the same reason. The gate and the variance are unused (0), so v is only carried
+    for the state's round trip."""
 
-    The same FTRL-Proximal as adaspark.scheduler.ftrl, step for step and bit for bit (a test
-    holds the two equal), in plain floats: a full bank is thousands of 5-coordinate steps, and
-    array overhead would make the end-of-request refit ~5x slower."""
-    prior, lower = (1.0, 0.0, 0.0, 0.0, 0.0), (-math.inf, 0.0, 0.0, 0.0, 0.0)
-    z, n, m = [0.0] * BASIS_SIZE, [0.0] * BASIS_SIZE, [0] * BASIS_SIZE
-    w = list(prior)
-    coords = range(BASIS_SIZE)
-    for _ in range(passes):
-        for phi, y in order:
-            slope = -QUANTILE if y > _dot(w, phi) else (1.0 - QUANTILE)
-            for i in coords:
-                g = slope * phi[i]
-                n_new = min(n[i] + g * g, N_CAP)
-                sqrt_new = math.sqrt(n_new)
-                z[i] += g - (sqrt_new - math.sqrt(n[i])) / RATE * (w[i] - prior[i])
-                n[i] = n_new
-                m[i] += g != 0.0
-                a = abs(z[i])
-                shrunk = math.copysign(a - L1, z[i]) if a > L1 else 0.0
-                w[i] = max(prior[i] - shrunk / ((STABILISER + sqrt_new) / RATE + L2), lower[i])
-    ftrl = _new_ftrl()
-    ftrl.load_state_dict({"z": z, "n": n, "m": m})
+    __slots__ = ("z", "n", "m", "v", "w", "_sqrt_n")
+
+    def __init__(self) -> None:
+        self.z, self.n, self.m = [0.0] * BASIS_SIZE, [0.0] * BASIS_SIZE, [0] * BASIS_SIZE
+        self.v = [0.0] * BASIS_SIZE
+        self.w = _PRIOR
+        self._sqrt_n = (0.0,) * BASIS_SIZE
+
+    @property
+    def weights(self) -> np.ndarray:
+        w = np.array(self.w)
+        w.setflags(write=False)
+        return w
+
+    def run(self, order, passes: int = 1) -> None:
+        """`passes` passes over order [(φ, y)]: per sample, one pinball subgradient step."""
+        z0, z1, z2, z3, z4 = self.z
+        n0, n1, n2, n3, n4 = self.n
+        m0, m1, m2, m3, m4 = self.m
+        s0, s1, s2, s3, s4 = self._sqrt_n
+        w0, w1, w2, w3, w4 = self.w
+        under, over = -QUANTILE, 1.0 - QUANTILE
+        cap, rate, l1, denom0, l2 = N_CAP, RATE, L1, STABILISER, L2
+        sqrt, copysign = math.sqrt, math.copysign
+        for _ in range(passes):
+            for (p0, p1, p2, p3, p4), y in order:
+                slope = under if y > w0 * p0 + w1 * p1 + w2 * p2 + w3 * p3 + w4 * p4 else over
+                # coordinate 0: the intercept, prior 1, unbounded
+                g = slope * p0
+                t = min(n0 + g * g, cap)
+                r = sqrt(t)
+                z0 += g - (r - s0) / rate * (w0 - 1.0)
+                n0, s0, m0 = t, r, m0 + (g != 0.0)
+                a = abs(z0)
+                w0 = 1.0 - (copysign(a - l1, z0) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
+                # coordinates 1-4: context weights, prior 0, kept >= 0
+                g = slope * p1
+                t = min(n1 + g * g, cap)
+                r = sqrt(t)
+                z1 += g - (r - s1) / rate * (w1 - 0.0)
+                n1, s1, m1 = t, r, m1 + (g != 0.0)
+                a = abs(z1)
+                w1 = max(0.0 - (copysign(a - l1, z1) if a > l1 else 0.0)
+                         / ((denom0 + r) / rate + l2), 0.0)
+                g = slope * p2
+                t = min(n2 + g * g, cap)
+                r = sqrt(t)
+                z2 += g - (r - s2) / rate * (w2 - 0.0)
+                n2, s2, m2 = t, r, m2 + (g != 0.0)
+                a = abs(z2)
+                w2 = max(0.0 - (copysign(a - l1, z2) if a > l1 else 0.0)
+                         / ((denom0 + r) / rate + l2), 0.0)
+                g = slope * p3
+                t = min(n3 + g * g, cap)
+                r = sqrt(t)
+                z3 += g - (r - s3) / rate * (w3 - 0.0)
+                n3, s3, m3 = t, r, m3 + (g != 0.0)
+                a = abs(z3)
+                w3 = max(0.0 - (copysign(a - l1, z3) if a > l1 else 0.0)
+                         / ((denom0 + r) / rate + l2), 0.0)
+                g = slope * p4
+                t = min(n4 + g * g, cap)
+                r = sqrt(t)
+                z4 += g - (r - s4) / rate * (w4 - 0.0)
+                n4, s4, m4 = t, r, m4 + (g != 0.0)
+                a = abs(z4)
+                w4 = max(0.0 - (copysign(a - l1, z4) if a > l1 else 0.0)
+                         / ((denom0 + r) / rate + l2), 0.0)
+        self.z, self.n, self.m = [z0, z1, z2, z3, z4], [n0, n1, n2, n3, n4], [m0, m1, m2, m3, m4]
+        self._sqrt_n, self.w = (s0, s1, s2, s3, s4), (w0, w1, w2, w3, w4)
+
+    def state_dict(self) -> dict:
+        return {"z": list(self.z), "n": list(self.n), "v": list(self.v), "m": list(self.m)}
+
+    def load_state_dict(self, state: dict) -> None:
+        ftrl = _new_ftrl()  # its checks, and its weights from the state
+        ftrl.load_state_dict(state)
+        self.z, self.n, self.v = ftrl.z.tolist(), ftrl.n.tolist(), ftrl.v.tolist()
+        self.m = ftrl.labels.tolist()
+        self._sqrt_n = tuple(math.sqrt(x) for x in self.n)
+        self.w = tuple(ftrl.weights.tolist())
+
+
+def _train_fresh(order: list, passes: int) -> LawFTRL:
+    """A fresh law trained `passes` times over `order` [(φ, y)]: the refit's inner loop."""
+    ftrl = LawFTRL()
+    ftrl.run(order, passes)
     return ftrl
 
 
@@ -126,8 +220,8 @@ class QuantileLaw:
     """A low-quantile law of time in context, with its bank of samples per context band."""
 
     def __init__(self) -> None:
-        self.ftrl = _new_ftrl()
-        self._w = tuple(self.ftrl.weights.tolist())
+        self.ftrl = LawFTRL()
+        self._w = self.ftrl.w
         self.first: list[tuple[float, float]] = []   # the first 3 (context, ms): fix the scale
         self.scale: float | None = None       # lowest of the first 3 times (ms)
         self.lowest: float | None = None      # lowest normalised sample ever seen
@@ -183,9 +277,8 @@ class QuantileLaw:
 
     def _step(self, phi, y: float) -> None:
         # Subgradient of ℓ_τ(y − θ·φ) in θ: −τ·φ when the law is under the sample, (1−τ)·φ over.
-        slope = -QUANTILE if y > _dot(self._w, phi) else (1.0 - QUANTILE)
-        self.ftrl.update([slope * p for p in phi])
-        self._w = tuple(self.ftrl.weights.tolist())
+        self.ftrl.run(((phi, y),))
+        self._w = self.ftrl.w
 
     def _split_bank(self) -> tuple[list[list[tuple[float, float]]], list[tuple[float, float]]]:
         """Training samples per band (oldest first) and the samples the refit is judged on."""
@@ -220,7 +313,7 @@ class QuantileLaw:
         for i in range(max(len(b) for b in train)):
             order.extend((basis(b[i][0]), b[i][1] / self.scale) for b in train if i < len(b))
         candidate = _train_fresh(order, passes)
-        fresh = tuple(candidate.weights.tolist())
+        fresh = candidate.w
         if self._loss(judged, fresh) < self._loss(judged, self._w):
             self.ftrl, self._w = candidate, fresh
             return True
@@ -236,7 +329,7 @@ class QuantileLaw:
 
     def load_state_dict(self, state: dict) -> None:
         try:
-            ftrl = _new_ftrl()
+            ftrl = LawFTRL()
             ftrl.load_state_dict(state["ftrl"])
             first = [(float(c), float(t)) for c, t in state["first"]]
             scale = None if state["scale"] is None else float(state["scale"])
@@ -248,7 +341,7 @@ class QuantileLaw:
         if (scale is None) != (lowest is None):
             raise UserError("cost law state is malformed: scale and lowest must both be set")
         self.ftrl, self.first, self.scale, self.lowest = ftrl, first, scale, lowest
-        self._w = tuple(ftrl.weights.tolist())
+        self._w = ftrl.w
         self.samples, self.bank, self.dirty = samples, bank, False
 
 
@@ -293,11 +386,17 @@ class RowClass:
         return self.law.samples >= MEASUREMENTS
 
     def price_basis(self, phi, clock_now: float) -> float | None:
-        law = self.law.predict_basis(phi)
-        if law is None:
-            return None
-        level = self.level.value if self.law.fitted else 1.0
-        return law * level * clock_now / self.clock
+        # law.predict_basis(phi) * level * clock_now / clock, inlined: the chooser's offers and
+        # the split test price every measured class every round
+        law = self.law
+        scale = law.scale
+        if scale is None:
+            lowest = law.lowest_ms
+            return None if lowest is None else lowest * 1.0 * clock_now / self.clock
+        w, low = law._w, law.lowest
+        raw = w[0] * phi[0] + w[1] * phi[1] + w[2] * phi[2] + w[3] * phi[3] + w[4] * phi[4]
+        normalised = min(max(raw, LAW_CLAMP[0] * low), LAW_CLAMP[1] * low)
+        return scale * normalised * self.level.value * clock_now / self.clock
 
     def state_dict(self) -> dict:
         return {"top": self.top, "law": self.law.state_dict(),

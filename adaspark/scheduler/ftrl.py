@@ -63,6 +63,7 @@ class FTRLProximal:
         self.n_cap = float(n_cap)
         self.lower = _vector(-np.inf if lower is None else lower, d, "lower")
         self.upper = _vector(np.inf if upper is None else upper, d, "upper")
+        self._bounded = bool(np.isfinite(self.lower).any() or np.isfinite(self.upper).any())
         self.z = np.zeros(d)
         self.n = np.zeros(d)
         self.v = np.zeros(d)
@@ -73,13 +74,21 @@ class FTRLProximal:
     def weights(self) -> np.ndarray:
         return self._weights
 
-    def _refresh(self) -> None:
-        sqrt_n = np.sqrt(self.n)
-        threshold = self.l1 + self.gate * np.sqrt(np.maximum(self.n, self.v))
+    def _refresh(self, sqrt_n: np.ndarray | None = None) -> None:
+        """The weights from z and n; sqrt_n: sqrt(n) where the caller has it."""
+        if sqrt_n is None:
+            sqrt_n = np.sqrt(self.n)
+        self._sqrt_n = sqrt_n
+        if self.gate:
+            threshold = self.l1 + self.gate * np.sqrt(np.maximum(self.n, self.v))
+        else:  # l1 + 0 * sqrt(max(n, v)) is l1, bit for bit (n and v are finite)
+            threshold = self.l1
         shrunk = np.sign(self.z) * np.maximum(np.abs(self.z) - threshold, 0.0)
         deviation = -shrunk / ((self.beta + sqrt_n) / self.alpha + self.l2)
         self._deviation = deviation
-        w = np.clip(self.prior + deviation, self.lower, self.upper)
+        w = self.prior + deviation
+        if self._bounded:  # clipping at +-inf changes no (non-NaN) weight
+            w = np.clip(w, self.lower, self.upper)
         w.setflags(write=False)
         self._weights = w
 
@@ -90,12 +99,13 @@ class FTRLProximal:
         if variance is not None:
             self.v = np.minimum(self.v + variance, self.n_cap)
         n_new = np.minimum(self.n + g * g, self.n_cap)
-        sigma = (np.sqrt(n_new) - np.sqrt(self.n)) / self.alpha
+        sqrt_new = np.sqrt(n_new)
+        sigma = (sqrt_new - self._sqrt_n) / self.alpha
         # The deviation actually used (after clamping) is what the proximal term centres on.
         self.z += g - sigma * (self._weights - self.prior)
         self.n = n_new
         self.labels += g != 0.0
-        self._refresh()
+        self._refresh(sqrt_new)
 
     def state_dict(self) -> dict:
         return {"z": self.z.tolist(), "n": self.n.tolist(), "v": self.v.tolist(),

@@ -44,6 +44,8 @@ FIXED_DECAY = 0.9  # the undrafted D's moving average (it is the plan alone: sta
 TREE_DECAY = 0.9  # the drafted curve's: a bucket's recent trees (the text drifts)
 NO_PROPOSAL = -1  # the bucket of a round whose anchor has no n-gram proposal
 UNITS = ("ms", "step")  # of round times: milliseconds, or plain steps at the round's context
+_ZERO_CURVE = np.zeros(1)  # a bucket's sum before its first tree (read only)
+_ZERO_CURVE.setflags(write=False)
 
 
 class DraftGate:
@@ -98,11 +100,21 @@ class DraftGate:
     def learn_tree(self, bucket: int | None, q) -> None:
         """A drafted tree's Q in its best-first order (its candidates that can be accepted)
         into the bucket's decayed mean S(k); a shorter tree holds its last S beyond its end."""
-        s = np.concatenate([[0.0], np.cumsum(np.asarray(q, dtype=np.float64).reshape(-1))])
-        weight, total = self.curves.get(bucket, (0.0, np.zeros(1)))
-        n = max(s.size, total.size)
-        total, s = (np.pad(x, (0, n - x.size), mode="edge") for x in (total, s))
-        self.curves[bucket] = (TREE_DECAY * weight + 1.0, TREE_DECAY * total + s)
+        q = np.asarray(q, dtype=np.float64).reshape(-1)
+        weight, total = self.curves.get(bucket, (0.0, _ZERO_CURVE))
+        n = max(q.size + 1, total.size)
+        # S(k) and the decayed sum, each holding its last value past its end (np.pad's "edge",
+        # in place: this runs every drafted round)
+        s = np.empty(n)
+        s[0] = 0.0
+        np.cumsum(q, out=s[1:q.size + 1])
+        s[q.size + 1:] = s[q.size]
+        decayed = np.empty(n)
+        decayed[:total.size] = total
+        decayed[total.size:] = total[-1]
+        decayed *= TREE_DECAY
+        decayed += s
+        self.curves[bucket] = (TREE_DECAY * weight + 1.0, decayed)
 
     def drafted_curve(self, bucket: int | None) -> np.ndarray | None:
         if bucket not in self.curves:

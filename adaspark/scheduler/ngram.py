@@ -67,6 +67,7 @@ class NgramIndex:
         self.matched = np.zeros(N_EVIDENCE)
         self._copy: tuple[int, int] | None = None  # stream's passage: (end position, length)
         self._tree_rounds = 0
+        self._logit_p: list[float] | None = None  # logit of precision, until it changes
         self.extend(tokens)
 
     # --- learning from committed text ---------------------------------------------------
@@ -86,6 +87,7 @@ class NgramIndex:
                 self.matched[ev] += 1.0
                 hit = tok == t
                 self.right[ev] += hit
+                self._logit_p = None
                 self._copy = state if hit else None
             hist.append(t)
             i = len(hist) - 1
@@ -126,18 +128,18 @@ class NgramIndex:
             return tok, COPY, length, (src, min(length + 1, MAX_MATCH))
         if n_ctx < FOLLOWER_CTX:
             return None
-        tail = hist[-MAX_MATCH:] + path if len(path) < MAX_MATCH else path[-MAX_MATCH:]
-        tail = tail[-MAX_MATCH:]
+        # Most lookups miss: the context's last 64 tokens are joined only for a key that hits.
         if n_ctx >= KEY_LEN:
-            ends = self._keys.get(tuple(tail[-KEY_LEN:]))
+            ends = self._keys.get(_suffix(hist, path, KEY_LEN))
             if ends is not None:
-                found = self._longest(tail, ends, n_ctx)
+                tail = hist[-MAX_MATCH:] + path if len(path) < MAX_MATCH else path[-MAX_MATCH:]
+                found = self._longest(tail[-MAX_MATCH:], ends, n_ctx)
                 if found is not None:
                     e, length = found
                     src = e + 1
                     tok = hist[src] if src < H else path[src - H]
                     return tok, COPY, length, (src, min(length + 1, MAX_MATCH))
-        table = self._followers.get(tuple(tail[-FOLLOWER_CTX:]))
+        table = self._followers.get(_suffix(hist, path, FOLLOWER_CTX))
         if not table:
             return None
         tok = max(table, key=lambda k: table[k])  # most frequent, then most recent
@@ -176,8 +178,10 @@ class NgramIndex:
         if not self.hist:
             tree.seal()
             return
-        logit_p = np.log(self.precision / (1.0 - self.precision)).tolist()
-        stops = set(tree.stop_ids.tolist())
+        if self._logit_p is None:  # the precision changes only where extend() counted
+            self._logit_p = np.log(self.precision / (1.0 - self.precision)).tolist()
+        logit_p = self._logit_p
+        stops = tree.stop_set
         B, K = tree.B, tree.K
         rows = tree.token[:B * K].reshape(B, K).tolist()
         picks = [row[0] for row in rows]
@@ -263,6 +267,12 @@ class NgramIndex:
             return False
         self._tree_rounds += 1
         return self._tree_rounds % EXPLORE_PERIOD == 0
+
+
+def _suffix(hist: list, path: list, n: int) -> tuple:
+    """The last n tokens of the context hist + path, as a key (all of it when shorter)."""
+    short = n - len(path)
+    return tuple(path[-n:]) if short <= 0 else tuple(hist[-short:] + path)
 
 
 def _strong(kind: int, strength: int) -> bool:

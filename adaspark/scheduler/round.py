@@ -237,6 +237,18 @@ class RequestState:
     chooser_round: dict | None = field(default=None, repr=False)
 
 
+# a plain round's depths, parents and mask: the same every round, shared (nothing writes into
+# a plan's arrays; not read-only, since torch warns on a read-only array, as sequence.ONE_ROW)
+_PLAIN_ROW = (np.zeros(1, dtype=np.int64), np.full(1, -1, dtype=np.int64),
+              np.ones((1, 1), dtype=bool))
+
+
+def _useful_curve(ranking: Ranking) -> np.ndarray:
+    """S(k) of a ranked tree's first k candidates best-first, up to its useful ones (index 0:
+    no candidate), as budget.StepPrice.value reads a tree."""
+    return (ranking.S_drafter + ranking.S_ngram)[: ranking.n_useful + 1]
+
+
 class Scheduler:
     """One per engine: the cost model, acceptance model and chooser; an n-gram index per request.
     """
@@ -256,6 +268,8 @@ class Scheduler:
         self.part_times: dict[str, float] | None = {} if time_parts else None
         # rounds by rows verified since this process started (not stored): the width share
         self.width_rounds: dict[int, int] = {}
+        self._last_ranked: tuple | None = None  # (tree, (scored, ranking)): _ranked's last
+        self._empty_tree: tuple | None = None  # (stop ids, tree): _undrafted_tree's
 
     def _lap(self, part: str, since: float) -> float:
         if self.part_times is None:
@@ -287,13 +301,19 @@ class Scheduler:
             acceptance=(acc.b_req, acc.head_offset, acc.request_stats))
         return self.request
 
-    def end_request(self, request: RequestState | None = None) -> int:
-        """The end-of-request refit of the cost laws; returns how many refits were adopted."""
+    def end_request(self, request: RequestState | None = None, refit: bool = True) -> int:
+        """The request ends; then the end-of-request refit of the cost laws (refit=False: the
+        caller runs `refit()` later, e.g. once a batch's other requests are done); returns how
+        many refits were adopted."""
         request = self.request if request is None else request
         if request is not None:
             request.index, request.anchor = None, None
         if request is self.request:
             self.request = None
+        return self.refit() if refit else 0
+
+    def refit(self) -> int:
+        """The cost laws' refit over their sample banks; how many refits were adopted."""
         return self.cost.end_request() + int(self.plain_law.dirty and self.plain_law.refit())
 
     def _use(self, request: RequestState | None) -> RequestState:
@@ -341,7 +361,8 @@ class Scheduler:
         step: the batch's step beside other requests (None: alone, as above). From its second
         round on, a round that would draft drafts only where the tree a draft is expected to
         make pays at the step's marginal price and rate, its draft's time counted
-        (_draft_pays_in); otherwise it offers the n-gram tree at the anchor (or one row)."""
+        (_draft_pays_in); otherwise it offers the n-gram tree at the anchor, or one row where
+        no prefix of that tree pays at the step's price either."""
         req = self._use(request)
         ctx = int(context_length)
         bucket = None
@@ -358,12 +379,13 @@ class Scheduler:
             drafts = (self.gate.choose(bucket)
                       and (not self.arm.paced or self._can_verify_a_draft(ctx))
                       and self._draft_pays_in(step, bucket, tree, ctx))
-            plan = self._drafted(draft(), ctx, stop_ids) if drafts else self._undrafted(tree, ctx)
+            plan = (self._drafted(draft(), ctx, stop_ids) if drafts
+                    else self._undrafted(tree, ctx, step))
         elif self._plain_pays(ctx):
             plan = self._plain(ctx)
         elif step is not None and req.rounds > 0 and not self._draft_pays_in(
                 step, None, tree := self._ngram_tree(stop_ids), ctx):
-            plan = self._undrafted(tree, ctx)
+            plan = self._undrafted(tree, ctx, step)
         else:
             plan = self._drafted(draft(), ctx, stop_ids)
         if plan.drafted and plan._ranking is not None:  # the tree a draft makes, per bucket
@@ -421,24 +443,49 @@ class Scheduler:
             price = self.cost.optimistic_price(rows, context, plain_ms)
             return math.inf if price is None else price
 
+    def step_prices(self, rows: int, most: int, context: float) -> np.ndarray:
+        """The price (ms) of one shared verify call by its total rows 0..most at `context`, for
+        a step of `rows` plain rows (budget.StepPrice.table; one cost-model read a step): the
+        step's own rows at step_price's price (they run whatever they cost); a larger total at
+        the cheapest measured class that holds it, else only at an unmeasured class's top, at
+        its optimistic price (a call of exactly those rows measures it: learn_shared_verify);
+        inf between, where a call would teach nothing and its price is only a guess."""
+        prices = np.full(most + 1, np.inf)
+        offers = self.cost.offers(context)  # ascending tops, non-decreasing prices
+        if offers:
+            tops = np.array([w for w, _ in offers])
+            at = np.searchsorted(tops, np.arange(most + 1))  # the first offer holding t rows
+            held = at < tops.size
+            prices[held] = np.array([p for _, p in offers])[at[held]]
+        plain_ms = self.plain_law.predict(context)
+        for k in self.cost.classes:
+            if k.top <= most and not k.measured and not math.isfinite(prices[k.top]):
+                price = self.cost.optimistic_price(k.top, context, plain_ms)
+                prices[k.top] = math.inf if price is None else price
+        if most >= 1:  # one row is the plain step, no class
+            prices[1] = math.inf if plain_ms is None else plain_ms
+        if 0 <= rows <= most:
+            prices[rows] = self.step_price(rows, context)
+        return prices
+
     def _draft_pays_in(self, step: StepPrice | None, bucket: int | None, tree: CandidateTree,
                        ctx: int) -> bool:
-        """Beside others (`step`): the bucket's expected drafted tree (gate.drafted_curve) at
-        the step's marginal price, less the draft's own time (the drafted D over the undrafted
-        one) at the step's rate, beats this anchor's n-gram tree, which costs no draft
-        (budget.draft_pays): the shared budget prices both so after the plans. Alone, or while
-        the bucket has no drafted tree yet (a draft teaches it): True."""
+        """Beside others (`step`): the bucket's expected drafted tree (gate.drafted_curve; a
+        bucket without one yet: the trees of rounds drafted outside any bucket, the first
+        rounds') at the step's marginal price, less the draft's own time (the drafted D over
+        the undrafted one; as the batch measured it beside others where it has: StepPrice's
+        draft_ms) at the step's rate, beats this anchor's n-gram tree, which costs no
+        draft (budget.draft_pays): the shared budget prices both so after the plans. Alone, or
+        while no drafted tree is known at all (a draft teaches it): True."""
         curve = None if step is None else self.gate.drafted_curve(bucket)
+        if curve is None and step is not None:
+            curve = self.gate.drafted_curve(None)
         if curve is None:
             return True
-        undrafted = np.zeros(1)
-        if tree.n_nodes:
-            scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
-                                           temperature=self.temperature)
-            ranking = rank(tree, scored.q)
-            undrafted = np.concatenate([[0.0], np.cumsum(ranking.Q[ranking.order[
-                : ranking.n_useful]])])
-        draft_ms = (self.cost.fixed_cost(ctx) or 0.0) - (self.gate.fixed_ms or 0.0)
+        undrafted = _useful_curve(self._ranked(tree, ctx)[1]) if tree.n_nodes else np.zeros(1)
+        draft_ms = step.draft_ms
+        if draft_ms is None:
+            draft_ms = (self.cost.fixed_cost(ctx) or 0.0) - (self.gate.fixed_ms or 0.0)
         return draft_pays(curve, undrafted, draft_ms, step)
 
     def _can_verify_a_draft(self, ctx: int) -> bool:
@@ -480,17 +527,29 @@ class Scheduler:
     def _plain(self, ctx: int) -> Plan:
         """The 1-row round: the anchor alone, its argmax is the one committed token."""
         tokens = np.array([self.request.anchor], dtype=np.int64)
-        zero = np.zeros(1, dtype=np.int64)
         predicted = self.plain_law.predict(ctx)
-        return Plan(ctx, tokens, zero, np.full(1, -1, dtype=np.int64),
-                    np.ones((1, 1), dtype=bool), 1, ChosenBy.PLAIN,
+        return Plan(ctx, tokens, *_PLAIN_ROW, 1, ChosenBy.PLAIN,
                     predicted_T_s=None if predicted is None else predicted / 1000.0,
                     drafted=False)
 
     def _ngram_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
-        tree = CandidateTree.undrafted(self.request.anchor, stop_ids)
+        tree = self._undrafted_tree(stop_ids)
         if self.index is not None:
             self.index.chains(tree)
+        return tree
+
+    def _undrafted_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
+        """CandidateTree.undrafted at the anchor, as a copy of an empty tree made once per
+        stop ids (most rounds under load build one: building it anew costs more than the rest
+        of a plain round's plan). Its arrays are empty, so nothing can write into them, and
+        seal() replaces them; the copy gets its own pending lists."""
+        key = tuple(stop_ids)
+        if self._empty_tree is None or self._empty_tree[0] != key:
+            self._empty_tree = (key, CandidateTree.undrafted(0, key))
+        tree = object.__new__(CandidateTree)
+        tree.__dict__.update(self._empty_tree[1].__dict__)
+        tree.anchor = int(self.request.anchor)
+        tree._pending = ([], [], [], [], [])
         return tree
 
     def _ngram_round(self, ctx: int, stop_ids: Sequence[int]) -> Plan:
@@ -525,10 +584,16 @@ class Scheduler:
                                     [w for w, _ in offers] if probe is None else [], price_ms)
 
     def _ranked(self, tree: CandidateTree, ctx: int):
-        """Lines 5-6 on a tree: its q by the acceptance model, then its best-first order."""
+        """Lines 5-6 on a tree: its q by the acceptance model, then its best-first order (the
+        same tree's once: the draft decision beside others scores the n-gram tree that the
+        undrafted round then plans with)."""
+        last = self._last_ranked
+        if last is not None and last[0] is tree:
+            return last[1]
         scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
                                        temperature=self.temperature)
-        return scored, rank(tree, scored.q)
+        self._last_ranked = (tree, (scored, rank(tree, scored.q)))
+        return self._last_ranked[1]
 
     def _undrafted_plan(self, tree: CandidateTree, scored, ranking: Ranking, width: int,
                         ctx: int, chosen_by, offered: list[int], price_ms: float | None) -> Plan:
@@ -577,16 +642,20 @@ class Scheduler:
                                      self.gate.fixed_ms, ctx)
         return probe if width == probe else None
 
-    def _undrafted(self, tree: CandidateTree, ctx: int) -> Plan:
+    def _undrafted(self, tree: CandidateTree, ctx: int, step: StepPrice | None = None) -> Plan:
         """A gated round without the drafter: the n-gram index's tree at the anchor priced and
         cut like any tree, a plain step (once measured) among the offers (the undrafted round's
         own D, no hysteresis: it does not move the chooser's incumbent); one row when the
-        index proposes nothing worth a row."""
+        index proposes nothing worth a row, or beside others (`step`) when no prefix of the
+        tree pays at the step's marginal price (the row budget would cut it to its plain row)."""
+        if tree.n_nodes == 0:  # most rounds: nothing to price
+            return self._plain(ctx)
         offers = self.cost.offers(ctx)
-        if tree.n_nodes == 0 or not offers:
+        if not offers:
             return self._plain(ctx)
         scored, ranking = self._ranked(tree, ctx)
-        if ranking.n_useful == 0:
+        if ranking.n_useful == 0 or (
+                step is not None and step.value(_useful_curve(ranking)) <= 0.0):
             return self._plain(ctx)
         plain_ms = self.plain_law.predict(ctx)  # a weak proposal may not be worth a row
         if plain_ms is not None:
@@ -734,7 +803,7 @@ class Scheduler:
                                 self._gate_time(ctx, round_ms))
         if self.index is not None:
             t = self._start()
-            self.index.extend(outcome.committed)
+            self.index.extend([*outcome.tokens, outcome.bonus])  # outcome.committed's tokens
             self._lap("ngram extend", t)
         self.request.anchor = int(outcome.bonus)
         self.request.rounds += 1
@@ -751,7 +820,7 @@ class Scheduler:
         if rows == 1:
             self.plain_law.learn(context, verify_ms)
         else:
-            widest = self._widest_measured()
+            widest = self._widest_measured() if self.arm.paced else 0
             self.cost.observe(rows, rows, context, verify_ms, 0.0, drafted=False)
             if self.arm.paced and self._widest_measured() != widest:
                 self.gate.restart()
@@ -781,22 +850,19 @@ class Scheduler:
         ctx = plan.context_length
         verify_ms, fixed_ms = 1000.0 * times.verify_s, 1000.0 * times.fixed_s
         round_ms = fixed_ms + verify_ms + 1000.0 * times.commit_s
+        # each node's source: 0 the drafter, 1 the n-gram index, 2 a drafter node it agreed with
+        source = np.where(tree.kind == NGRAM, 1, np.where(tree.agreed_bucket >= 0, 2, 0))
         nodes = np.asarray(outcome.nodes, dtype=np.int64)
-        is_ngram = tree.kind[nodes] == NGRAM
-        agreed = (~is_ngram) & (tree.agreed_bucket[nodes] >= 0)
-        record.accepted_ngram = int(is_ngram.sum())
-        record.agreed = int(agreed.sum())
-        record.accepted_drafter = int(nodes.size - is_ngram.sum() - agreed.sum())
+        is_ngram = source[nodes] == 1
+        record.accepted_drafter, record.accepted_ngram, record.agreed = np.bincount(
+            source[nodes], minlength=3).tolist()
         placed = plan.layout.nodes[1:]
-        placed_ngram = tree.kind[placed] == NGRAM
-        placed_agreed = ~placed_ngram & (tree.agreed_bucket[placed] >= 0)
-        record.rows_ngram = int(placed_ngram.sum())
-        record.rows_agreed = int(placed_agreed.sum())
-        record.rows_drafter = int(placed.size - record.rows_ngram - record.rows_agreed)
+        record.rows_drafter, record.rows_ngram, record.rows_agreed = np.bincount(
+            source[placed], minlength=3).tolist()
         t = self._start()
         # Line 15: the cost model, then a split where a width inside a class could win.
         # A reply's last round may end inside the tree: it says nothing of the drafter's reach.
-        widest = self._widest_measured()
+        widest = self._widest_measured() if self.arm.paced else 0  # only paced reads it
         self.cost.observe(plan.width_chosen, plan.rows, ctx, verify_ms, fixed_ms,
                           teach=not first and cost, drafted=plan.drafted,
                           tree_rows=None if last else tree.n_nodes + 1)

@@ -86,6 +86,13 @@ def logit(p):
     return np.log(p) - np.log1p(-p)
 
 
+def _minus_ones(n: int) -> np.ndarray:
+    """np.full(n, -1, dtype=np.int64), without its wrapper's cost."""
+    out = np.empty(n, dtype=np.int64)
+    out.fill(-1)
+    return out
+
+
 @functools.lru_cache(maxsize=32)
 def _block_shape(B: int, K: int):
     """Shape arrays shared by every block of this size (read-only): position, kind, parent,
@@ -98,6 +105,14 @@ def _block_shape(B: int, K: int):
     for arr in (position, kind, parent, depth):
         arr.setflags(write=False)
     return position, kind, parent, depth
+
+
+@functools.lru_cache(maxsize=32)
+def _stop_ids(stop_ids) -> tuple[np.ndarray, frozenset]:
+    """The stop ids as a sorted read-only array and a set: the same few every round."""
+    ids = np.asarray(sorted(set(int(t) for t in stop_ids)), dtype=np.int64)
+    ids.setflags(write=False)
+    return ids, frozenset(ids.tolist())
 
 
 @dataclass
@@ -119,7 +134,8 @@ class CandidateTree:
     def __init__(self, anchor: int, B: int, K: int, arrays: dict, stop_ids=()):
         self.anchor = int(anchor)
         self.B, self.K = B, K
-        self.stop_ids = np.asarray(sorted(set(int(t) for t in stop_ids)), dtype=np.int64)
+        self.stop_ids, self.stop_set = _stop_ids(
+            stop_ids if isinstance(stop_ids, (tuple, frozenset)) else tuple(stop_ids))
         for name, value in arrays.items():
             setattr(self, name, value)
         # n-gram nodes not yet folded in: parents, tokens, buckets, logit_ps, depths
@@ -148,16 +164,17 @@ class CandidateTree:
         e = np.exp(z)
         with np.errstate(divide="ignore"):
             log_sib = np.log(e[:, 1:].sum(axis=1))  # -inf when K == 1
-        logit_share = np.clip(z[:, 0] - log_sib, -30.0, 30.0)  # logit sigma, log-sum-exp form
+        # logit sigma, log-sum-exp form (np.clip's value, without its wrapper's cost)
+        logit_share = np.minimum(np.maximum(z[:, 0] - log_sib, -30.0), 30.0)
         log_r = np.maximum(z - log_sib[:, None], LOG_R_FLOOR)
         log_r[:, 0] = 0.0
         share = e / e.sum(axis=1, keepdims=True)
-        h = np.clip(head, HEAD_CLIP, 1.0 - HEAD_CLIP)
+        h = np.minimum(np.maximum(head, HEAD_CLIP), 1.0 - HEAD_CLIP)
         share[:, 0] = h  # a pick's head-based estimate is its confidence head
 
         N = B * K
         position, kind, parent, depth = _block_shape(B, K)
-        no_bucket = np.full(N, -1, dtype=np.int64)
+        no_bucket = _minus_ones(N)
         arrays = {
             "token": ids.reshape(-1).copy(),
             "parent": parent,
@@ -269,27 +286,36 @@ class CandidateTree:
         if not self._pending[0]:
             return
         m = len(self._pending[0])
-        par, tok, buck, lp, dep = (np.array(col) for col in self._pending)
-        lp = lp.astype(np.float64)
+        par, tok, buck, lp, dep = self._pending
+        lp = np.array(lp, dtype=np.float64)
+        n = self.token.size
 
-        def cat(name, tail):
-            setattr(self, name, np.concatenate([getattr(self, name), tail]))
+        def cat(name, tail, dtype):
+            # one allocation per array: the old nodes, then the tail (np.concatenate's values)
+            old = getattr(self, name)
+            out = np.empty(n + m, dtype=dtype)
+            out[:n] = old
+            out[n:] = tail
+            setattr(self, name, out)
 
-        cat("token", tok.astype(np.int64))
-        cat("parent", par.astype(np.int64))
-        cat("kind", np.full(m, NGRAM, dtype=np.int8))
-        cat("depth", dep.astype(np.int64))
-        cat("head_estimate", 1.0 / (1.0 + np.exp(-lp)))
-        cat("bucket", buck.astype(np.int64))
-        cat("logit_p", lp)
-        cat("agreed_bucket", np.full(m, -1, dtype=np.int64))
-        cat("contra_evidence", np.full(m, -1, dtype=np.int64))
+        cat("token", tok, np.int64)
+        cat("parent", par, np.int64)
+        cat("kind", NGRAM, np.int8)
+        cat("depth", dep, np.int64)
+        cat("head_estimate", 1.0 / (1.0 + np.exp(-lp)), np.float64)
+        cat("bucket", buck, np.int64)
+        cat("logit_p", lp, np.float64)
+        cat("agreed_bucket", -1, np.int64)
+        cat("contra_evidence", -1, np.int64)
         self._pending = ([], [], [], [], [])
         self._seal_stop()
 
     def _seal_stop(self) -> None:
         # a handful of stop ids: one broadcast compare beats np.isin's sort at this size
-        self.stop = (self.token[:, None] == self.stop_ids[None, :]).any(axis=1)
+        if self.stop_ids.size == 1:
+            self.stop = self.token == self.stop_ids[0]
+        else:
+            self.stop = (self.token[:, None] == self.stop_ids[None, :]).any(axis=1)
 
 
 @dataclass
@@ -310,11 +336,16 @@ def path_log_keys(tree: CandidateTree, q: np.ndarray) -> np.ndarray:
     """Integer log of Q per node (scaled by 2**40); stop tokens and their subtrees get -inf-ish."""
     N = tree.n_nodes
     val = np.zeros(N + 1, dtype=np.int64)  # slot N stands for the anchor: log Q = 0
-    with np.errstate(divide="ignore"):
-        val[:N] = np.maximum(np.log(q) * _LOG_SCALE, _LOG_ZERO)
+    if q.all():
+        log_q = np.log(q)
+    else:  # log 0 = -inf, floored below
+        with np.errstate(divide="ignore"):
+            log_q = np.log(q)
+    val[:N] = np.maximum(log_q * _LOG_SCALE, _LOG_ZERO)
     if tree.stop.any():
         val[:N][tree.stop] = _LOG_ZERO
-    ptr = np.full(N + 1, N, dtype=np.int64)
+    ptr = np.empty(N + 1, dtype=np.int64)
+    ptr[N] = N
     ptr[:N] = tree.parent
     ptr[ptr < 0] = N
     # Pointer jumping: after k steps each node holds the sum over its 2**k nearest path nodes.
@@ -338,8 +369,10 @@ def rank(tree: CandidateTree, q) -> Ranking:
     Qo = Q[order]
     S_all = np.zeros(q.size + 1)
     S_ngram = np.zeros(q.size + 1)
-    np.cumsum(Qo, out=S_all[1:])
-    np.cumsum(Qo * (tree.kind[order] == NGRAM), out=S_ngram[1:])
+    Qo.cumsum(out=S_all[1:])
+    if not tree.has_ngram:  # S_ngram stays 0 and S_all - 0 is S_all
+        return Ranking(order, Q, S_all, S_ngram, int(np.count_nonzero(Q)))
+    (Qo * (tree.kind[order] == NGRAM)).cumsum(out=S_ngram[1:])
     return Ranking(order, Q, S_all - S_ngram, S_ngram, int(np.count_nonzero(Q)))
 
 

@@ -111,13 +111,15 @@ inline void scale_block(const QPart& w, const QAct& a, int64_t g, int64_t b, int
 // B tiles from weight_tiles. Blocks are added to each accumulator in order, as in group_rows.
 template <int R>
 void group_rows_amx(const QPart& w, const QAct& a, int64_t g, const uint8_t* tiles,
-                    int64_t r0, float* y, int64_t ldy) {
+                    int64_t r0, float* y, int64_t ldy, Next ahead) {
   alignas(64) int32_t sums[4][16 * 16];
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const int8_t* x = a.q.data() + r0 * a.k;
   int64_t b = 0;
   for (; b + 4 <= w.nb; b += 4) {
+    if (ahead.w)
+      for (int j = 0; j < 4; ++j) prefetch_block(*ahead.w, ahead.g, b + j);
     ADASPARK_AMX_BLOCK(0, 4, 6, b);
     ADASPARK_AMX_BLOCK(1, 5, 7, b + 1);
     ADASPARK_AMX_BLOCK(2, 4, 6, b + 2);
@@ -129,6 +131,7 @@ void group_rows_amx(const QPart& w, const QAct& a, int64_t g, const uint8_t* til
     for (int j = 0; j < 4; ++j) scale_block<R>(w, a, g, b + j, r0, sums[j], acc);
   }
   const int64_t left = w.nb - b;
+  for (int64_t j = b; ahead.w && j < w.nb; ++j) prefetch_block(*ahead.w, ahead.g, j);
   if (left > 0) ADASPARK_AMX_BLOCK(0, 4, 6, b);
   if (left > 1) ADASPARK_AMX_BLOCK(1, 5, 7, b + 1);
   if (left > 2) ADASPARK_AMX_BLOCK(2, 4, 6, b + 2);
@@ -144,7 +147,7 @@ void group_rows_amx(const QPart& w, const QAct& a, int64_t g, const uint8_t* til
 // tiles), two blocks in flight; each block ends as group_rows ends it, from the same two sums.
 template <int R>
 void group_rows_amx_halves(const QPart& w, const QAct& a, int64_t g, const uint8_t* tiles,
-                           int64_t r0, float* y, int64_t ldy) {
+                           int64_t r0, float* y, int64_t ldy, Next ahead) {
   alignas(64) int32_t sums[4][16 * 16];
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
@@ -157,6 +160,10 @@ void group_rows_amx_halves(const QPart& w, const QAct& a, int64_t g, const uint8
   };
   int64_t b = 0;
   for (; b + 2 <= w.nb; b += 2) {
+    if (ahead.w) {
+      prefetch_block(*ahead.w, ahead.g, b);
+      prefetch_block(*ahead.w, ahead.g, b + 1);
+    }
     _tile_zero(0);
     _tile_loadd(4, x + b * kBlock, a.k);
     _tile_loadd(6, tiles + 2 * b * 512, 64);
@@ -179,6 +186,7 @@ void group_rows_amx_halves(const QPart& w, const QAct& a, int64_t g, const uint8
     end(b + 1, sums[2], sums[3]);
   }
   if (b < w.nb) {
+    if (ahead.w) prefetch_block(*ahead.w, ahead.g, b);
     _tile_zero(0);
     _tile_loadd(4, x + b * kBlock, a.k);
     _tile_loadd(6, tiles + 2 * b * 512, 64);
@@ -197,12 +205,13 @@ void group_rows_amx_halves(const QPart& w, const QAct& a, int64_t g, const uint8
 
 template <int... Rs>
 void amx_rows_dispatch(int64_t R, const QPart& w, const QAct& a, int64_t g,
-                       const uint8_t* tiles, int64_t r0, float* y, int64_t ldy,
+                       const uint8_t* tiles, int64_t r0, float* y, int64_t ldy, Next ahead,
                        std::integer_sequence<int, Rs...>) {
   if (w.halves == 2)
-    ((R == Rs + 1 ? (group_rows_amx_halves<Rs + 1>(w, a, g, tiles, r0, y, ldy), 0) : 0), ...);
+    ((R == Rs + 1 ? (group_rows_amx_halves<Rs + 1>(w, a, g, tiles, r0, y, ldy, ahead), 0) : 0),
+     ...);
   else
-    ((R == Rs + 1 ? (group_rows_amx<Rs + 1>(w, a, g, tiles, r0, y, ldy), 0) : 0), ...);
+    ((R == Rs + 1 ? (group_rows_amx<Rs + 1>(w, a, g, tiles, r0, y, ldy, ahead), 0) : 0), ...);
 }
 
 // Whether a part goes through the tiles: every integer one; dense parts are float and take
@@ -221,12 +230,11 @@ void qmatmul_amx(const QWeight& w, const QAct& a, float* y, int64_t ldy) {
     if (first) prefetch_group(pt, g);
     const Next next = next_of(w, ahead);
     if (!amx_takes(pt)) return part_rows(pt, a, g, yp, ldy, next);
-    if (next.w) prefetch_group(*next.w, next.g);
     uint8_t* bytes = raw.data() + (-reinterpret_cast<uintptr_t>(raw.data()) & 63);
     const uint8_t* tiles = weight_tiles(pt, g, bytes);
     for (int64_t t = 0; t < count; ++t)
       amx_rows_dispatch(R, pt, a, g, tiles, std::min(t * R, a.rows - R), yp, ldy,
-                        std::make_integer_sequence<int, 16>{});
+                        t == 0 ? next : Next{}, std::make_integer_sequence<int, 16>{});
   };
   for_claimed(w.groups, group, [&] {
     amx_configure(R);  // tile state is per thread

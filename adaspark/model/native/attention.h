@@ -93,7 +93,24 @@ struct Segment {
   int64_t anc_stride;
   const int64_t* pos = nullptr;  // its rows' positions (read with a window)
   int64_t window = 0;            // a row sees keys at positions > its own - window; 0: all
+  bool chain = false;  // anc is causal and row r sits at position start + r (is_chain)
 };
+
+// Whether a segment's n rows are a plain chain from `start`: row r sees rows t <= r and sits at
+// position start + r, so its visible slots are the cache's [0, start + r] (a prefill chunk).
+inline bool is_chain(const bool* anc, int64_t stride, const int64_t* pos, int64_t start,
+                     int64_t n) {
+  for (int64_t r = 0; r < n; ++r) {
+    if (pos[r] != start + r) return false;
+    for (int64_t t = 0; t < n; ++t)
+      if (anc[r * stride + t] != (t <= r)) return false;
+  }
+  return true;
+}
+
+// Chains of at least this many rows take attend_chain (shorter ones, verify chains and steps,
+// keep attend_c's task shape): a row's result is the same on either path.
+constexpr int64_t kChainRows = 17;
 
 template <int C>
 void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
@@ -234,14 +251,162 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
   });
 }
 
+// A chain segment's queries (attend_c's order: row-major over (row, head in the group)) over
+// the cache alone: its rows' K/V are in their slots already and row r's visible slots are
+// [0, start + r], so a block of kChainQueries queries shares every key and value tile, each
+// converted from fp16 once for the block, and no mask is read. Per query the arithmetic is
+// attend_c's: the same per-slot scores (sum_lanes), max, exps, lane sums from a W-group before
+// its first visible slot (earlier groups would add only zeros) and values added in slot order,
+// so a row comes out bit for bit as attend_c computes it, over a cached prefix or not.
+constexpr int kChainQueries = 32;
+
+template <int C>
+void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const Segment& sg,
+                  float* out) {
+  const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
+  const int64_t start = sg.start, n = sg.n, nq = n * group;
+  const int64_t blocks = (nq + kChainQueries - 1) / kChainQueries;
+  const int64_t stride = round_up(start + n, W);
+  const float scale = hs.scale ? hs.scale : 1.0f / std::sqrt(static_cast<float>(hd));
+  // tasks (block, kv head), the longest rows first so that claiming them keeps both busy
+  for_claimed(blocks * hs.kv_heads, [&](int64_t t, int64_t, bool) {
+    thread_local std::vector<float> scores;
+    scores.resize(kChainQueries * stride);
+    alignas(64) float tile[W][C * W];  // W slots' keys, then values, in float32
+    const int64_t g = t % hs.kv_heads, q0 = (blocks - 1 - t / hs.kv_heads) * kChainQueries;
+    const int qn = static_cast<int>(std::min<int64_t>(kChainQueries, nq - q0));
+    const uint16_t* kg = sg.kl + g * sg.capacity * hd;
+    const uint16_t* vg = sg.vl + g * sg.capacity * hd;
+    int64_t row[kChainQueries], head[kChainQueries], m[kChainQueries], lo[kChainQueries],
+        from[kChainQueries];
+    float inv[kChainQueries];
+    for (int i = 0; i < qn; ++i) {
+      const int64_t qi = q0 + i;
+      row[i] = qi / group;
+      head[i] = g * group + qi % group;
+      m[i] = start + row[i] + 1;  // visible slots [lo, m)
+      lo[i] = sg.window ? std::max<int64_t>(0, start + row[i] - sg.window + 1) : 0;
+      from[i] = lo[i] / W * W;
+    }
+    const int64_t lo_all = *std::min_element(lo, lo + qn);
+    const int64_t end = *std::max_element(m, m + qn);
+    auto load_tile = [&](const uint16_t* base, int64_t s0) {  // slots past `end` stay out
+      const int64_t count = std::min<int64_t>(W, end - s0);
+      for (int j = 0; j < W; ++j)
+        for (int c = 0; c < C; ++c)
+          vstore(tile[j] + c * W, j < count ? vload_h(base + (s0 + j) * hd + c * W) : vzero());
+    };
+    for (int64_t s0 = lo_all / W * W; s0 < end; s0 += W) {  // scores, one key tile at a time
+      load_tile(kg, s0);
+      for (int i = 0; i < qn; ++i) {
+        if (s0 >= m[i] || s0 < from[i]) continue;
+        const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
+        vf q[C], p[W];
+        for (int c = 0; c < C; ++c) q[c] = vload(qp + c * W);
+        for (int j = 0; j < W; ++j) {
+          vf d = vmul(q[0], vload(tile[j]));
+          for (int c = 1; c < C; ++c) d = vfma(q[c], vload(tile[j] + c * W), d);
+          p[j] = d;
+        }
+        vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
+      }
+    }
+    for (int i = 0; i < qn; ++i) {  // softmax: attend_c's, hidden slots being [from, lo)
+      float* sc = scores.data() + i * stride;
+      for (int64_t s = from[i]; s < lo[i]; ++s) sc[s] = -INFINITY;
+      vf top = vset1(-INFINITY);
+      for (int64_t s = from[i]; s + W <= m[i]; s += W) top = vmax(top, vload(sc + s));
+      float mx = hmax(top);
+      for (int64_t s = m[i] / W * W; s < m[i]; ++s) mx = std::max(mx, sc[s]);
+      const int64_t padded = round_up(m[i], W);
+      for (int64_t s = m[i]; s < padded; ++s) sc[s] = -INFINITY;
+      const vf shift = vset1(mx);
+      for (int64_t s = from[i]; s < padded; s += W)
+        vstore(sc + s, vexp(vsub(vload(sc + s), shift)));
+      for (int64_t s = m[i]; s < padded; ++s) sc[s] = 0.0f;
+      for (int64_t s = from[i]; s < lo[i]; ++s) sc[s] = 0.0f;
+      vf lanes = vzero();
+      for (int64_t s = from[i]; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
+      inv[i] = 1.0f / vsum(lanes);
+    }
+    // values: per query acc += w_s v_s over its slots in slot order, one value tile at a time;
+    // the accumulators live in `out` between tiles
+    auto out_of = [&](int i) { return out + (sg.row0 + row[i]) * heads * hd + head[i] * hd; };
+    for (int i = 0; i < qn; ++i)
+      for (int c = 0; c < C; ++c) vstore(out_of(i) + c * W, vzero());
+    for (int64_t s0 = lo_all / W * W; s0 < end; s0 += W) {
+      load_tile(vg, s0);
+      auto whole = [&](int i) { return lo[i] <= s0 && s0 + W <= m[i]; };
+      for (int i = 0; i < qn;) {
+        if (C < 8 && i + 1 < qn && whole(i) && whole(i + 1)) {
+          // two queries over the whole tile: twice the independent fma chains (C alone are
+          // too few to hide the fma latency); each query's own additions keep their order
+          const float *sa = scores.data() + i * stride, *sb = sa + stride;
+          float *oa = out_of(i), *ob = out_of(i + 1);
+          vf acc[2][C];
+          for (int c = 0; c < C; ++c) {
+            acc[0][c] = vload(oa + c * W);
+            acc[1][c] = vload(ob + c * W);
+          }
+          for (int j = 0; j < W; ++j) {
+            const vf wa = vset1(sa[s0 + j]), wb = vset1(sb[s0 + j]);
+            for (int c = 0; c < C; ++c) {
+              const vf v = vload(tile[j] + c * W);
+              acc[0][c] = vfma(wa, v, acc[0][c]);
+              acc[1][c] = vfma(wb, v, acc[1][c]);
+            }
+          }
+          for (int c = 0; c < C; ++c) {
+            vstore(oa + c * W, acc[0][c]);
+            vstore(ob + c * W, acc[1][c]);
+          }
+          i += 2;
+          continue;
+        }
+        const int64_t a = std::max(s0, lo[i]), b = std::min(s0 + W, m[i]);
+        if (a < b) {
+          const float* sc = scores.data() + i * stride;
+          float* o = out_of(i);
+          vf acc[C];
+          for (int c = 0; c < C; ++c) acc[c] = vload(o + c * W);
+          for (int64_t s = a; s < b; ++s) {
+            const vf w = vset1(sc[s]);
+            for (int c = 0; c < C; ++c) acc[c] = vfma(w, vload(tile[s - s0] + c * W), acc[c]);
+          }
+          for (int c = 0; c < C; ++c) vstore(o + c * W, acc[c]);
+        }
+        ++i;
+      }
+    }
+    for (int i = 0; i < qn; ++i) {
+      float* o = out_of(i);
+      for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(vload(o + c * W), vset1(inv[i])));
+    }
+  });
+}
+
+// Long chain segments on attend_chain, the rest on attend_c.
+template <int C>
+void attend_segments(const Heads& hs, const float* q_rows, int64_t q_stride,
+                     const std::vector<Segment>& segs, float* out) {
+  std::vector<Segment> rest;
+  for (const Segment& sg : segs) {
+    if (sg.chain && sg.n >= kChainRows)
+      attend_chain<C>(hs, q_rows, q_stride, sg, out);
+    else
+      rest.push_back(sg);
+  }
+  if (!rest.empty()) attend_c<C>(hs, q_rows, q_stride, rest, out);
+}
+
 void attend(const Heads& hs, const float* q_rows, int64_t q_stride,
             const std::vector<Segment>& segs, float* out) {
   switch (hs.hd / W) {
-    case 2: return attend_c<2>(hs, q_rows, q_stride, segs, out);
-    case 4: return attend_c<4>(hs, q_rows, q_stride, segs, out);
-    case 8: return attend_c<8>(hs, q_rows, q_stride, segs, out);
-    case 16: return attend_c<16>(hs, q_rows, q_stride, segs, out);
-    case 32: return attend_c<32>(hs, q_rows, q_stride, segs, out);
+    case 2: return attend_segments<2>(hs, q_rows, q_stride, segs, out);
+    case 4: return attend_segments<4>(hs, q_rows, q_stride, segs, out);
+    case 8: return attend_segments<8>(hs, q_rows, q_stride, segs, out);
+    case 16: return attend_segments<16>(hs, q_rows, q_stride, segs, out);
+    case 32: return attend_segments<32>(hs, q_rows, q_stride, segs, out);
     default: TORCH_CHECK(false, "head_dim must be 2, 4, 8, 16 or 32 vectors");
   }
 }

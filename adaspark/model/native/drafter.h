@@ -96,6 +96,34 @@ class Drafter {
   std::vector<torch::Tensor> backbone(torch::Tensor cache_k, torch::Tensor cache_v,
                                       torch::Tensor anchor_emb, int64_t start,
                                       torch::Tensor noise) {
+    auto hidden = torch::empty({block_, dim_}, torch::kFloat);
+    auto logits = torch::empty({block_, head_.n}, torch::kFloat);
+    backbone_into(cache_k, cache_v, anchor_emb, start, noise, hidden, logits);
+    return {hidden, logits};
+  }
+
+  // One draft: backbone, then the Markov head along the picks over each row's `shortlist`
+  // best backbone candidates (the low-rank bias moves a ranking only near its top), the top-k
+  // of the biased shortlist (the pick first), and the calibrated confidence of each pick.
+  // Returns picks [block], topk ids [block, k] (draft indices), their logits, confidence.
+  // The backbone's rows go to buffers kept between drafts (a fresh 2 MB of logits a draft
+  // was paid in page faults and page clearing).
+  std::vector<torch::Tensor> draft(torch::Tensor cache_k, torch::Tensor cache_v,
+                                   torch::Tensor anchor_emb, int64_t start, int64_t prev,
+                                   int64_t shortlist, int64_t topk, torch::Tensor noise) {
+    if (!hidden_.defined()) {
+      hidden_ = torch::empty({block_, dim_}, torch::kFloat);
+      logits_ = torch::empty({block_, head_.n}, torch::kFloat);
+    }
+    backbone_into(cache_k, cache_v, anchor_emb, start, noise, hidden_, logits_);
+    return markov(hidden_, logits_, prev, shortlist, topk);
+  }
+
+ private:
+  // backbone() into hidden [block, dim] and logits [block, V_d], float32, contiguous.
+  void backbone_into(torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor anchor_emb,
+                     int64_t start, torch::Tensor noise, torch::Tensor& hidden,
+                     torch::Tensor& logits) {
     TORCH_CHECK(anchor_emb.numel() == dim_ && anchor_emb.scalar_type() == torch::kFloat,
                 "anchor_emb must be float32 [dim]");
     const int64_t B = block_, capacity = check_cache(cache_k, cache_v, start, B);
@@ -103,8 +131,16 @@ class Drafter {
     const int64_t half = hs_.hd / 2;
     TORCH_CHECK(start + B <= cos_.size(0), "position past the rope table");
     anchor_emb = anchor_emb.contiguous();
-    std::vector<float> x(B * dim_), h(B * dim_), qkv(B * qkvw), attn(B * qw), y(B * dim_),
-        gu(B * 2 * ffn_), act(B * ffn_);
+    Scratch& sc = scratch_;
+    sc.x.resize(B * dim_);
+    sc.h.resize(B * dim_);
+    sc.qkv.resize(B * qkvw);
+    sc.attn.resize(B * qw);
+    sc.y.resize(B * dim_);
+    sc.gu.resize(B * 2 * ffn_);
+    sc.act.resize(B * ffn_);
+    auto &x = sc.x, &h = sc.h, &qkv = sc.qkv, &attn = sc.attn, &y = sc.y, &gu = sc.gu,
+         &act = sc.act;
     std::memcpy(x.data(), anchor_emb.data_ptr<float>(), dim_ * 4);
     for (int64_t r = 1; r < B; ++r) std::memcpy(&x[r * dim_], mask_.data_ptr<float>(), dim_ * 4);
     std::vector<uint8_t> all(B * B, 1);  // non-causal inside the block
@@ -127,9 +163,7 @@ class Drafter {
       attn_out_and_ffn(ly, x.data(), attn.data(), B, dim_, qw, ffn_, eps_, act_, h.data(), y.data(),
                        gu.data(), act.data());
     }
-    auto hidden = torch::empty({B, dim_}, torch::kFloat);
     rms_norm_rows(x.data(), out_norm_.data_ptr<float>(), hidden.data_ptr<float>(), B, dim_, eps_);
-    auto logits = torch::empty({B, head_.n}, torch::kFloat);
     quantize_rows(hidden.data_ptr<float>(), B, dim_, act_);
     qmatmul_into(head_, act_, logits.data_ptr<float>(), head_.n);
     if (noise.numel()) {
@@ -137,19 +171,9 @@ class Drafter {
                   "noise must be float32 [block, V_d]");
       logits.add_(noise);
     }
-    return {hidden, logits};
   }
 
-  // One draft: backbone, then the Markov head along the picks over each row's `shortlist`
-  // best backbone candidates (the low-rank bias moves a ranking only near its top), the top-k
-  // of the biased shortlist (the pick first), and the calibrated confidence of each pick.
-  // Returns picks [block], topk ids [block, k] (draft indices), their logits, confidence.
-  std::vector<torch::Tensor> draft(torch::Tensor cache_k, torch::Tensor cache_v,
-                                   torch::Tensor anchor_emb, int64_t start, int64_t prev,
-                                   int64_t shortlist, int64_t topk, torch::Tensor noise) {
-    auto hl = backbone(cache_k, cache_v, anchor_emb, start, noise);
-    return markov(hl[0], hl[1], prev, shortlist, topk);
-  }
+ public:
 
   // The Markov and confidence heads over given backbone rows (draft() and the tests).
   std::vector<torch::Tensor> markov(torch::Tensor hidden, torch::Tensor logits, int64_t prev,
@@ -232,6 +256,10 @@ class Drafter {
   torch::Tensor temp_;
   std::vector<DraftLayer> layers_;
   QAct act_;
+  struct Scratch {  // the backbone's per-row buffers, kept between calls
+    std::vector<float> x, h, qkv, attn, y, gu, act;
+  } scratch_;
+  torch::Tensor hidden_, logits_;  // draft()'s backbone rows
 };
 
 }  // namespace adaspark

@@ -118,6 +118,164 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 }
 #endif
 
+#if !defined(ADASPARK_AVX512) && !defined(ADASPARK_AVXVNNI)
+// Plain AVX2 for the two types every layer and the head of a Q4_0 / Q4_1 / Q8_0 file have
+// (fp16 scales, one scale per block): group_rows' integer sums and add_block's float steps,
+// the same integers and float operations in the same order, so the same bits. What differs is
+// the code around them: the type's tests and the scales' addressing leave the block loop, each
+// weight vector is loaded and unpacked where it is used (chunks outer, rows inner: R integer
+// sums live, not 8 unpacked chunks), so up to 8 rows share a pass with their sums in registers
+// (group_rows spilled its sums at 4) and their float accumulators in L1.
+inline bool avx2_fast(const QPart& w) {
+  return w.halves == 1 && !w.factors && !w.f32 &&
+         (w.bits == 4 || (w.bits == 8 && w.zero == 128));
+}
+
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(chunk_of(p)); }
+
+// v computed here, in a register: keeps gcc from reassociating a row's sum across chunks,
+// which hoisted every product of a block and spilled them all (64 stores a block at 8 rows).
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
+// A group's next-group prefetch with its addressing done once (prefetch_block's requests).
+struct Ahead {
+  const char *q = nullptr, *d = nullptr, *m = nullptr;
+  int64_t bytes = 0, scale_bytes = 0;
+  const Next* slow = nullptr;  // K-quant factors: prefetch_block itself
+  explicit Ahead(const Next& n) {
+    if (!n.w || n.g >= n.w->groups) return;
+    const QPart& w = *n.w;
+    if (w.factors) {
+      slow = &n;
+      return;
+    }
+    bytes = w.block_bytes();
+    q = reinterpret_cast<const char*>(w.qp + n.g * w.nb * bytes);
+    scale_bytes = w.halves * 16 * (w.bits ? (w.f32 ? 4 : 2) : 0);
+    if (w.dp) d = static_cast<const char*>(w.dp) + n.g * w.nb * scale_bytes;
+    if (w.mp) m = static_cast<const char*>(w.mp) + n.g * w.nb * scale_bytes;
+  }
+  void block(int64_t b) const {
+    if (slow) return prefetch_block(*slow->w, slow->g, b);
+    if (!q) return;
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(q + b * bytes + i, _MM_HINT_T0);
+    if (d) _mm_prefetch(d + b * scale_bytes, _MM_HINT_T0);
+    if (m) _mm_prefetch(m + b * scale_bytes, _MM_HINT_T0);
+  }
+};
+
+template <int R, int Bits, bool Zero>
+inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                            int64_t ldy, Next next) {
+  const int64_t nb = w.nb, k = a.k;
+  const Ahead ahead(next);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
+  const uint8_t* qg = w.qp + g * nb * bytes;
+  const uint16_t* dg = static_cast<const uint16_t*>(w.dp) + g * nb * 16;
+  const uint16_t* mg = Zero ? dg : static_cast<const uint16_t*>(w.mp) + g * nb * 16;
+  const int8_t* xq = a.q.data() + r0 * k;
+  const float* dx = a.dx.data() + r0 * nb;
+  const float* xs = a.xs.data() + r0 * nb;
+  const int32_t* qs = a.qs.data() + r0 * nb;
+  const int32_t zero = static_cast<int32_t>(w.zero);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (half == 0) ahead.block(b);
+      const uint8_t* qb = qg + b * bytes + 32 * half;
+      const int8_t* xb = xq + b * kBlock;
+      __m256i s[R];
+      if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
+        auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * c));
+          const __m256i lo = _mm256_and_si256(v, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int i = 0; i < R; ++i) {
+            const int8_t* x = xb + i * k + 8 * c;
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                               _mm256_maddubs_epi16(hi, bcast4(x + 4)));
+            s[i] = first ? p : _mm256_add_epi16(s[i], p);
+            pin(s[i]);
+          }
+        };
+        pairs(0, true);
+        pairs(1, false);
+        pairs(2, false);
+        pairs(3, false);
+        for (int i = 0; i < R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
+      } else {  // Q8_0: |c| times q carrying c's sign, int32 sums
+        auto chunk = [&](int j, bool first) {
+          const __m256i c = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * j)), flip);
+          const __m256i mag = _mm256_abs_epi8(c);
+          for (int i = 0; i < R; ++i) {
+            const __m256i sq = _mm256_sign_epi8(bcast4(xb + i * k + 4 * j), c);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sq), ones);
+            s[i] = first ? p : _mm256_add_epi32(s[i], p);
+            pin(s[i]);
+          }
+        };
+        chunk(0, true);  // unrolled by hand: a loop kept the sums in memory
+        chunk(1, false);
+        chunk(2, false);
+        chunk(3, false);
+        chunk(4, false);
+        chunk(5, false);
+        chunk(6, false);
+        chunk(7, false);
+      }
+      const __m256 dw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + 8 * half)));
+      for (int i = 0; i < R; ++i) {  // add_block's steps
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[i * nb + b]));
+        if constexpr (Bits == 8) {  // centred: s is already sum((u - 128) * q)
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+        } else if constexpr (Zero) {
+          const __m256i t = _mm256_sub_epi32(s[i], _mm256_set1_epi32(zero * qs[i * nb + b]));
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
+        } else {
+          const __m256 mw = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + 8 * half)));
+          acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]),
+                                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]));
+        }
+      }
+    }
+    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
+    for (int i = 0; i < R && valid > 0; ++i)
+      vstore_first(y + (r0 + i) * ldy + 16 * g + 8 * half, acc[i], valid);
+  }
+}
+
+template <int R>
+inline void fast_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                           int64_t ldy, Next next) {
+  if (w.bits == 8) return group_rows_avx2<R, 8, true>(w, a, g, r0, y, ldy, next);
+  if (w.zero) return group_rows_avx2<R, 4, true>(w, a, g, r0, y, ldy, next);
+  group_rows_avx2<R, 4, false>(w, a, g, r0, y, ldy, next);
+}
+
+// Up to kAvx2Rows rows a pass (their sums in registers, the float accumulators in L1).
+constexpr int kAvx2Rows = 8;
+template <int... Rs>
+inline void fast_rows_n(int64_t n, const QPart& w, const QAct& a, int64_t g, int64_t r0,
+                        float* y, int64_t ldy, Next next, std::integer_sequence<int, Rs...>) {
+  ((n == Rs + 1 ? (fast_rows_avx2<Rs + 1>(w, a, g, r0, y, ldy, next), 0) : 0), ...);
+}
+inline void fast_part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
+                           Next ahead) {
+  int64_t r = 0;
+  for (; r + kAvx2Rows <= a.rows; r += kAvx2Rows, ahead = {})
+    fast_rows_avx2<kAvx2Rows>(w, a, g, r, y, ldy, ahead);
+  if (r < a.rows)
+    fast_rows_n(a.rows - r, w, a, g, r, y, ldy, ahead,
+                std::make_integer_sequence<int, kAvx2Rows - 1>{});
+}
+#endif
+
 // y[r, 16g .. 16g+15] for rows [r0, r0+R): the group's weights are unpacked once per block
 // for all R rows; each (row, output) adds its blocks in order, in its own lane.
 template <int R>
@@ -248,6 +406,9 @@ inline void group_rows(const QPart& w, const QAct& a, int64_t g, int64_t r0, flo
 // thread's next group), integer or dense.
 inline void part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                       Next ahead) {
+#if !defined(ADASPARK_AVX512) && !defined(ADASPARK_AVXVNNI)
+  if (avx2_fast(w)) return fast_part_rows(w, a, g, y, ldy, ahead);
+#endif
   constexpr int R = 4;
   auto rows = [&](auto r_const, int64_t r, Next next) {
     constexpr int n = decltype(r_const)::value;

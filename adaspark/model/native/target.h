@@ -144,6 +144,10 @@ class Model {
     auto hiddens = torch::empty({static_cast<int64_t>(taps.size()), n, dim_}, torch::kFloat);
     QAct& a = act_q_;
     std::vector<Segment> segs(seqs);
+    std::vector<char> chain(seqs);  // long chains (prefill chunks) attend over the cache alone
+    for (size_t s = 0; s < seqs; ++s)
+      chain[s] = counts[s] >= kChainRows &&
+                 is_chain(ancp + row0[s] * n + row0[s], n, pos + row0[s], starts[s], counts[s]);
 
     for (int64_t li = 0; li < L; ++li) {
       const Layer& ly = layers_[li];
@@ -159,7 +163,7 @@ class Model {
         segs[s] = Segment{reinterpret_cast<uint16_t*>(caches_k[s].data_ptr<at::Half>()) + layer,
                           reinterpret_cast<uint16_t*>(caches_v[s].data_ptr<at::Half>()) + layer,
                           starts[s], capacity, row0[s], counts[s], ancp + row0[s] * n + row0[s], n,
-                          pos + row0[s], ly.window};
+                          pos + row0[s], ly.window, chain[s] != 0};
       }
       place_qkv(ly, qkv.data(), n, pos, segs, seq_of.data(), slot_of.data());
       attend(Heads{heads_, kv_heads_, hd_, attn_scale_}, qkv.data(), qkvw, segs, attn.data());

@@ -74,25 +74,10 @@ def drafts_beside_others(draft_ms: float | None, requests: int = 3, rounds: int 
     """Drafts past the first rounds of `requests` requests on one `adaspark,no-ngram`
     scheduler, each round planned beside the others at a step where rows are free (30 ms
     whatever the rows) at 0.1 tokens per ms, the batch's measured draft time `draft_ms`."""
-    from test_round import argmax_following, make_block
+    from test_round import batch_drafts
 
-    from adaspark.scheduler.record import RoundTimes
-
-    sched, drafts = Scheduler(Arm.parse("adaspark,no-ngram")), []
     step = StepPrice.table(requests, np.full(64 * requests, 30.0), 0.1, draft_ms)
-    states = [sched.begin_request([5 + 20 * i, 6 + 20 * i, 7 + 20 * i]) for i in range(requests)]
-
-    def draft():
-        drafts.append(1)
-        return make_block([11, 12, 13, 14])
-
-    for r in range(rounds):
-        for state in states:
-            plan = sched.plan_round(3 + r, draft, request=state, step=step)
-            outcome = sched.accept(plan, argmax_following(plan, [11, 12, 99, 5, 6]))
-            sched.learn(outcome, RoundTimes(fixed_s=0.0005, verify_s=0.01, commit_s=0.0),
-                        request=state, cost=False)
-    return len(drafts) - requests
+    return batch_drafts(None, 0.1, requests, rounds, step=step)[0]
 
 
 def test_a_draft_is_priced_at_the_time_the_batch_measured_for_it():

@@ -430,15 +430,17 @@ def test_the_default_arms_cold_start_pays_only_for_measurements_that_could_pay()
         assert sum(t for p, t in zip(plans, times, strict=True) if p.chosen_by == "probe") > 0.5
 
 
-def batch_drafts(step_ms, rate: float, requests: int = 3, rounds: int = 6) -> tuple[int, int]:
+def batch_drafts(step_ms, rate: float, requests: int = 3, rounds: int = 6,
+                 step=None) -> tuple[int, int]:
     """`requests` requests on one `adaspark,no-ngram` scheduler (no n-gram tree competes with a
     draft), each round planned as beside the
     others in a step priced by step_ms at `rate` (budget.StepPrice, the step's plain rows
-    being the requests'). Returns (drafts made, the rounds after each request's first)."""
+    being the requests'; or the given `step`). Returns (drafts made, the rounds after each
+    request's first)."""
     from adaspark.scheduler.budget import StepPrice
 
     sched, drafts = Scheduler(Arm.parse("adaspark,no-ngram")), []
-    step = StepPrice(requests, step_ms, rate)
+    step = StepPrice(requests, step_ms, rate) if step is None else step
     states = [sched.begin_request([5 + 20 * i, 6 + 20 * i, 7 + 20 * i]) for i in range(requests)]
 
     def draft():

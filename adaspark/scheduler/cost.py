@@ -118,8 +118,7 @@ class LawFTRL:
     """The cost laws' FTRL-Proximal (_new_ftrl's settings) in plain floats: the arithmetic of
     adaspark.scheduler.ftrl.FTRLProximal step for step and bit for bit (a test holds the two
     equal). A law's step is 5 coordinates, where numpy's per-call overhead is most of the cost
-    (an online step ~8x, the end-of-request refit's thousands of steps ~5x); the coordinates are
-    unrolled for the same reason. The gate and the variance are unused (0), so v is only carried
+    (an online step ~8x, the end-of-request refit's thousands of steps ~5x). The gate and the variance are unused (0), so v is only carried
     for the state's round trip."""
 
     __slots__ = ("z", "n", "m", "v", "w", "_sqrt_n")
@@ -137,61 +136,32 @@ class LawFTRL:
         return w
 
     def run(self, order, passes: int = 1) -> None:
-        """`passes` passes over order [(φ, y)]: per sample, one pinball subgradient step."""
-        z0, z1, z2, z3, z4 = self.z
-        n0, n1, n2, n3, n4 = self.n
-        m0, m1, m2, m3, m4 = self.m
-        s0, s1, s2, s3, s4 = self._sqrt_n
-        w0, w1, w2, w3, w4 = self.w
+        """`passes` passes over order [(φ, y)]: per sample, one pinball subgradient step.
+        Coordinate 0 is the intercept (prior 1, unbounded), 1-4 the context weights (prior 0,
+        kept >= 0); the arithmetic and its order are FTRL's (tests/test_cost.py: bit for bit)."""
+        z, n, m, s, w = list(self.z), list(self.n), list(self.m), list(self._sqrt_n), list(self.w)
         under, over = -QUANTILE, 1.0 - QUANTILE
         cap, rate, l1, denom0, l2 = N_CAP, RATE, L1, STABILISER, L2
         sqrt, copysign = math.sqrt, math.copysign
+        coords = tuple(zip(range(BASIS_SIZE), _PRIOR, strict=True))
         for _ in range(passes):
-            for (p0, p1, p2, p3, p4), y in order:
-                slope = under if y > w0 * p0 + w1 * p1 + w2 * p2 + w3 * p3 + w4 * p4 else over
-                # coordinate 0: the intercept, prior 1, unbounded
-                g = slope * p0
-                t = min(n0 + g * g, cap)
-                r = sqrt(t)
-                z0 += g - (r - s0) / rate * (w0 - 1.0)
-                n0, s0, m0 = t, r, m0 + (g != 0.0)
-                a = abs(z0)
-                w0 = 1.0 - (copysign(a - l1, z0) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
-                # coordinates 1-4: context weights, prior 0, kept >= 0
-                g = slope * p1
-                t = min(n1 + g * g, cap)
-                r = sqrt(t)
-                z1 += g - (r - s1) / rate * (w1 - 0.0)
-                n1, s1, m1 = t, r, m1 + (g != 0.0)
-                a = abs(z1)
-                w1 = max(0.0 - (copysign(a - l1, z1) if a > l1 else 0.0)
-                         / ((denom0 + r) / rate + l2), 0.0)
-                g = slope * p2
-                t = min(n2 + g * g, cap)
-                r = sqrt(t)
-                z2 += g - (r - s2) / rate * (w2 - 0.0)
-                n2, s2, m2 = t, r, m2 + (g != 0.0)
-                a = abs(z2)
-                w2 = max(0.0 - (copysign(a - l1, z2) if a > l1 else 0.0)
-                         / ((denom0 + r) / rate + l2), 0.0)
-                g = slope * p3
-                t = min(n3 + g * g, cap)
-                r = sqrt(t)
-                z3 += g - (r - s3) / rate * (w3 - 0.0)
-                n3, s3, m3 = t, r, m3 + (g != 0.0)
-                a = abs(z3)
-                w3 = max(0.0 - (copysign(a - l1, z3) if a > l1 else 0.0)
-                         / ((denom0 + r) / rate + l2), 0.0)
-                g = slope * p4
-                t = min(n4 + g * g, cap)
-                r = sqrt(t)
-                z4 += g - (r - s4) / rate * (w4 - 0.0)
-                n4, s4, m4 = t, r, m4 + (g != 0.0)
-                a = abs(z4)
-                w4 = max(0.0 - (copysign(a - l1, z4) if a > l1 else 0.0)
-                         / ((denom0 + r) / rate + l2), 0.0)
-        self.z, self.n, self.m = [z0, z1, z2, z3, z4], [n0, n1, n2, n3, n4], [m0, m1, m2, m3, m4]
-        self._sqrt_n, self.w = (s0, s1, s2, s3, s4), (w0, w1, w2, w3, w4)
+            for phi, y in order:
+                predicted = w[0] * phi[0]
+                for k in range(1, BASIS_SIZE):
+                    predicted += w[k] * phi[k]
+                slope = under if y > predicted else over
+                for k, prior in coords:
+                    g = slope * phi[k]
+                    t = min(n[k] + g * g, cap)
+                    r = sqrt(t)
+                    z[k] += g - (r - s[k]) / rate * (w[k] - prior)
+                    n[k], s[k], m[k] = t, r, m[k] + (g != 0.0)
+                    a = abs(z[k])
+                    wk = prior - (copysign(a - l1, z[k]) if a > l1 else 0.0) / (
+                        (denom0 + r) / rate + l2)
+                    w[k] = wk if k == 0 else max(wk, 0.0)
+        self.z, self.n, self.m = z, n, m
+        self._sqrt_n, self.w = tuple(s), tuple(w)
 
     def state_dict(self) -> dict:
         return {"z": list(self.z), "n": list(self.n), "v": list(self.v), "m": list(self.m)}

@@ -118,8 +118,8 @@ class LawFTRL:
     """The cost laws' FTRL-Proximal (_new_ftrl's settings) in plain floats: the arithmetic of
     adaspark.scheduler.ftrl.FTRLProximal step for step and bit for bit (a test holds the two
     equal). A law's step is 5 coordinates, where numpy's per-call overhead is most of the cost
-    (an online step ~8x, the end-of-request refit's thousands of steps ~5x). The gate and the variance are unused (0), so v is only carried
-    for the state's round trip."""
+    (an online step ~8x, the end-of-request refit's thousands of steps ~5x). The gate and the
+    variance are unused (0), so v is only carried for the state's round trip."""
 
     __slots__ = ("z", "n", "m", "v", "w", "_sqrt_n")
 

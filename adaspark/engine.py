@@ -210,6 +210,11 @@ class Engine:
         gguf = read_gguf(path)  # parsed once, for the weights and the tokenizer
         # the tokenizer first: its build's transient peak then comes before the packed weights
         tokenizer = Tokenizer.from_gguf(gguf)
+        # its vocabulary lists (tokens, merges, types, scores) are the tokenizer's own copies
+        # now: let the file's go before the weights are packed (a few MiB of the load's peak)
+        for key in [k for k, v in gguf.metadata.items()
+                    if k.startswith("tokenizer.ggml.") and isinstance(v, list)]:
+            del gguf.metadata[key]
         target = Transformer(gguf, precision=options.precision, device=options.device,
                              max_context=max_context)
         if target.native_note:  # one line: the engine runs, more slowly

@@ -2,8 +2,9 @@
 no float32 or torch-format copy of a packed matrix is kept, the mapped file's pages are let go
 once packed, packing works a chunk of rows at a time, and the KV cache's pages come in as the
 context fills; the reader keeps a metadata array as one part, not one per element, and the
-tokenizer is built before the weights are packed. So the peak RSS a fresh process sees, above
-what its imports alone cost, stays within 1.5x the GGUF's size (the issue's bound).
+tokenizer is built before the weights are packed, and the file's vocabulary lists are
+dropped once it is built. So the peak RSS a fresh process sees, above what its imports alone
+cost, stays within 1.5x the GGUF's size (the issue's bound).
 
 The embedding rows the native forward reads are decoded from the packed table; they must be
 gguf's dequantised values exactly for every type the kernels take (the outputs stay those of

@@ -97,18 +97,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a GGUF both engines load")
-    p.add_argument("--prompts", type=int, default=4, help="how many prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="greedy reply tokens per prompt")
-    p.add_argument("--raw", action="store_true",
-                   help="prompts as text to continue, no chat template (a base model)")
-    p.add_argument("--max-chars", type=int, default=3000, help="skip longer first turns")
-    p.add_argument("--n-ctx", type=int, default=1024, help="context for both engines")
-    p.add_argument("--threads", type=int, default=2, help="threads for both engines")
-    p.add_argument("--conversations", default=str(vs.CONVERSATIONS),
-                   help="evaluation conversations (fixed prompts when missing)")
-    p.add_argument("--venv", help="llama.cpp's venv (default: ~/.cache/adaspark/llamacpp/venv)")
-    p.add_argument("--out", metavar="FILE", help="also write the JSON object here")
+    pl.add_peer_arguments(p, 64, "greedy reply tokens per prompt")
     return p.parse_args(argv)
 
 

@@ -383,23 +383,28 @@ def overall(results: list[dict]) -> dict:
     return out
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_peer_arguments(p: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str
+                       ) -> None:
+    """The options every peer check against llama.cpp takes (this file, peer_greedy.py)."""
     p.add_argument("--model", required=True, help="a GGUF both engines load")
     p.add_argument("--prompts", type=int, default=4, help="how many prompts")
-    p.add_argument("--max-tokens", type=int, default=32,
-                   help="greedy reply cap per prompt (0: no greedy comparison)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
     p.add_argument("--max-chars", type=int, default=3000, help="skip longer first turns")
     p.add_argument("--n-ctx", type=int, default=1024, help="context for both engines")
     p.add_argument("--threads", type=int, default=2, help="threads for both engines")
     p.add_argument("--raw", action="store_true",
                    help="prompts as text to continue, no chat template (a base model)")
-    p.add_argument("--no-reference", action="store_true",
-                   help="skip our float32 reference path (big models: its dense weights)")
     p.add_argument("--conversations", default=str(vs.CONVERSATIONS),
                    help="evaluation conversations (fixed prompts when missing)")
     p.add_argument("--venv", help="llama.cpp's venv (default: ~/.cache/adaspark/llamacpp/venv)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON object here")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_peer_arguments(p, 32, "greedy reply cap per prompt (0: no greedy comparison)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip our float32 reference path (big models: its dense weights)")
     return p.parse_args(argv)
 
 

@@ -26,7 +26,8 @@ from platformdirs import user_cache_dir
 
 from adaspark.errors import UserError
 from adaspark.hashing import sha256_files
-from adaspark.scheduler.round import Arm, Scheduler
+from adaspark.scheduler.arm import Arm
+from adaspark.scheduler.round import Scheduler
 from adaspark.scheduler.store import Store
 
 

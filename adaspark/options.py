@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from adaspark.errors import UserError
-from adaspark.scheduler.round import Arm
+from adaspark.scheduler.arm import Arm
 
 
 def arm_type(text: str) -> Arm:

@@ -41,11 +41,13 @@ from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler
+from adaspark.scheduler.arm import MAX_WIDTH, Arm
 from adaspark.scheduler.budget import StepPrice, allocate
 from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.driver import Committed, Target, run_round
+from adaspark.scheduler.plan import Outcome, Plan, RequestState
 from adaspark.scheduler.record import RoundRecord, RoundTimes
-from adaspark.scheduler.round import MAX_WIDTH, Arm, Outcome, Plan, RequestState, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.scheduler.store import Store
 from adaspark.scheduler.tree import Block
 from adaspark.sequence import Decode

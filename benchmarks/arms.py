@@ -46,7 +46,7 @@ from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
 from adaspark.options import ModelOptions
 from adaspark.sampling import SamplingParams, derived_seed
-from adaspark.scheduler.round import Arm
+from adaspark.scheduler.arm import Arm
 from adaspark.speculative import load_speculator
 
 CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"

@@ -20,8 +20,9 @@ import json
 
 import numpy as np
 
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.driver import run_round
-from adaspark.scheduler.round import Arm, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.sim.curves import load_curve
 from adaspark.sim.multi import multi_sweep
 from adaspark.sim.process import EOS, World, WorldParams

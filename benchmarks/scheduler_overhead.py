@@ -19,8 +19,9 @@ from time import perf_counter, thread_time
 
 import numpy as np
 
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.driver import run_round
-from adaspark.scheduler.round import Arm, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.sim.curves import load_curve
 from adaspark.sim.process import EOS, World, WorldParams
 from adaspark.sim.run import SimTarget

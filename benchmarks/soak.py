@@ -532,7 +532,8 @@ def check_store(directory: Path, arm: str = "adaspark,gate") -> dict:
     keyed for the arm, and a state that learned_store.restore loads into a fresh Scheduler
     (run on a copy: a refused file would be set aside)."""
     from adaspark.learned_store import arm_family, restore
-    from adaspark.scheduler.round import Arm, Scheduler
+    from adaspark.scheduler.arm import Arm
+    from adaspark.scheduler.round import Scheduler
     from adaspark.scheduler.store import FORMAT_VERSION, Store
 
     files = sorted(p.name for p in directory.iterdir())

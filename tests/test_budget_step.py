@@ -6,9 +6,10 @@ import math
 import numpy as np
 import pytest
 
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.budget import StepPrice, allocate, draft_pays
 from adaspark.scheduler.cost import MEASUREMENTS
-from adaspark.scheduler.round import Arm, Scheduler
+from adaspark.scheduler.round import Scheduler
 
 CTX = 600
 

@@ -15,16 +15,22 @@ from adaspark.model.transformer import Transformer
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=native.runnable_isas())
-def model(request, model_path):
-    module, why = native.load_isa(request.param)
+def native_model(isa: str, path, max_context: int = 512) -> Transformer:
+    """The model at `path` on the native build `isa` (the test skips where it cannot run)."""
+    module, why = native.load_isa(isa)
     if module is None:
-        pytest.skip(f"native {request.param} build not usable here: {why}")
+        pytest.skip(f"native {isa} build not usable here: {why}")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ADASPARK_NATIVE", request.param)
-        m = Transformer.from_gguf(model_path, precision="fast", max_context=512, calibrate=False)
+        mp.setenv("ADASPARK_NATIVE", isa)
+        m = Transformer.from_gguf(path, precision="fast", max_context=max_context,
+                                  calibrate=False)
     assert m.native is not None and m.kernels.choose(1) == f"native-{module.ISA}"
     return m
+
+
+@pytest.fixture(scope="module", params=native.runnable_isas())
+def model(request, model_path):
+    return native_model(request.param, model_path)
 
 
 def verify_rows(model, rows, context=PROMPT):

@@ -28,8 +28,9 @@ from adaspark.model.sources import default_model_path
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import Transformer
 from adaspark.options import ModelOptions
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.record import ChosenBy, RoundTimes
-from adaspark.scheduler.round import Arm, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.speculative import DEFAULT_ARM, NO_DRAFTER_ARM, Speculator, load_speculator
 
 LIST = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from test_model_forward import ancestors, depths
+from test_native_forward import native_model
 from test_native_gemma3 import VOCAB, random_weights, write_quantised
 
 from adaspark.engine import Engine
@@ -31,15 +32,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7, logprobs
 
 @pytest.fixture(scope="module", params=native.runnable_isas())
 def model(request, model_path):
-    module, why = native.load_isa(request.param)
-    if module is None:
-        pytest.skip(f"native {request.param} build not usable here: {why}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ADASPARK_NATIVE", request.param)
-        m = Transformer.from_gguf(model_path, precision="fast", max_context=1024,
-                                  calibrate=False)
-    assert m.native is not None
-    return m
+    return native_model(request.param, model_path, max_context=1024)
 
 
 def whole(model, ids):

@@ -14,8 +14,9 @@ import pytest
 
 from adaspark.cli import main
 from adaspark.errors import UserError
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.driver import run_round
-from adaspark.scheduler.round import Arm, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.sim.curves import curve_names, load_curve
 from adaspark.sim.process import EOS, JUNK, World, WorldParams, target_argmax
 from adaspark.sim.run import SimTarget, sweep

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from adaspark.bench.client import ChatClient
 from adaspark.errors import UserError
-from adaspark.scheduler.round import Arm
+from adaspark.scheduler.arm import Arm
 
 ADASPARK = "adaspark"
 SECOND_RUN = "#2"  # label suffix of AdaSpark's second run (after the pinned arms)

@@ -21,8 +21,9 @@ from time import perf_counter
 
 import numpy as np
 
+from adaspark.scheduler.plan import Outcome, Plan
 from adaspark.scheduler.record import RoundRecord, RoundTimes
-from adaspark.scheduler.round import Outcome, Plan, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.scheduler.tree import Block
 
 

@@ -16,11 +16,12 @@ it decides to draft (not for `ar` or `ngram`, a plain round, or a gated n-gram r
 module never touches the drafter. Everything a round decided travels in its Plan (the gate's bucket
 included), so learn() needs no state left behind by planning.
 
-`Arm` selects the paper's arms with switches on one scheduler (see `Arm.parse`). Every decision
-and everything learned lives here and in the modules it drives: tree.py (candidates, order,
-layout, accept walk), ngram.py (the request's text), acceptance.py (q), cost.py (verify prices),
-chooser.py (the width), gate.py (whether to draft at all, modifier `gate`). The engine owns
-tensors and clocks and hands in numbers only.
+`Arm` (arm.py) selects the paper's arms with switches on one scheduler; a round's Plan and
+Outcome and a request's RequestState are plan.py's. Every decision and everything learned
+lives here and in the modules it drives: tree.py (candidates, order, layout, accept walk),
+ngram.py (the request's text), acceptance.py (q), cost.py (verify prices), chooser.py (the
+width), gate.py (whether to draft at all, modifier `gate`). The engine owns tensors and clocks
+and hands in numbers only.
 
 Two places where this follows Algorithm 1 rather than a looser reading of §3 (docs/round.md):
 a request's first round teaches the acceptance model (only line 15, the cost model, skips it:
@@ -31,27 +32,28 @@ the gains like any round.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from copy import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from time import perf_counter
 
 import numpy as np
 
 from adaspark.errors import UserError
-from adaspark.scheduler.acceptance import AcceptanceModel, Scored
+from adaspark.scheduler.acceptance import AcceptanceModel
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.bands import context_band
 from adaspark.scheduler.budget import StepPrice, draft_pays
 from adaspark.scheduler.chooser import Chooser
 from adaspark.scheduler.cost import MEASUREMENTS, CostModel, QuantileLaw
 from adaspark.scheduler.gate import NO_PROPOSAL, DraftGate
 from adaspark.scheduler.ngram import NgramIndex, exploration_swap
+from adaspark.scheduler.plan import Draft, Outcome, Plan, RequestState
 from adaspark.scheduler.record import ChosenBy, RoundRecord, RoundTimes
 from adaspark.scheduler.tree import (
     NGRAM,
     Block,
     CandidateTree,
-    Layout,
     Ranking,
     accept,
     evidence_of_bucket,
@@ -63,178 +65,10 @@ PLAIN_RECHECK = 16  # plain rounds in a row before drafting once more to re-meas
 # The default arm's measurement budget (docs/round.md): a request's probe rounds may lose, against
 # plain steps in the same time, at most this share of the request's decode time so far.
 PROBE_BUDGET = 0.05
-MAX_WIDTH = 64
 STATE_VERSION = 1
 # Modifier `classes` (Table 9): the width table is the 8-bit matrix kernel's row classes, every 8
 # rows up to 64, fixed (no splits) instead of the ladder the cost model refines (§3.2).
 KERNEL_CLASSES = (8, 16, 24, 32, 40, 48, 56, 64)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """Switches that select one of the paper's arms; the default is AdaSpark."""
-
-    name: str = "adaspark"
-    draft: bool = True  # False: autoregressive, every round is a plain 1-row round
-    chain: int | None = None  # a chain of at most this many picks (the spine only)
-    pinned: int | None = None  # a fixed width instead of the chooser's
-    fitted: bool = True  # False: the head-based estimate prices every tree
-    ngram: bool = True
-    ratio_rule: bool = False  # the per-round ratio instead of the long-run rate
-    hysteresis: bool = True
-    plain_rounds: bool = False  # skip drafting when a plain decode step is worth more
-    gate: bool = False  # per round, draft or plan from the n-gram index alone (gate.py)
-    classes: bool = False  # widths fixed to the kernel's row classes (KERNEL_CLASSES)
-    # The default arm's cold start (docs/round.md): the plain step is measured first, and a
-    # width only where this round's tree says it could pay, within the request's PROBE_BUDGET.
-    # `gate` switches it on with the gate; `ladder` measures the paper's whole ladder instead.
-    paced: bool = False
-    # Every tree comes from the n-gram index alone and the drafter never runs (`ngram`: the
-    # arm for a model without a drafter); a round verifies that tree or one plain row.
-    ngram_only: bool = False
-
-    BASES = ("ar", "chain3", "chain", "tree:N", "cost", "adaspark", "adaspark:N", "ngram",
-             "ngram:N")
-    MODIFIERS = ("head", "no-ngram", "ratio", "no-hysteresis", "plain", "gate", "classes",
-                 "ladder")
-    # what `ngram` takes: the others switch the drafter's part of a round, which it has not
-    NGRAM_MODIFIERS = ("head", "ratio", "no-hysteresis", "classes")
-
-    @property
-    def needs_drafter(self) -> bool:
-        """The arm runs a drafter's forward in some rounds (not `ar`, not `ngram`)."""
-        return self.draft and not self.ngram_only
-
-    @classmethod
-    def parse(cls, text: str | Arm) -> Arm:
-        """`ar`, `chain3`, `chain`, `tree:N`, `cost`, `adaspark`, `adaspark:N`, `ngram`,
-        `ngram:N`, optionally with modifiers after commas or plus signs (`adaspark,gate` ==
-        `adaspark+gate`: the bench spells arms with `+` because its arm list is
-        comma-separated): head, no-ngram, ratio, no-hysteresis, plain, gate (with the paced
-        cold start), classes, ladder (the paper's whole ladder of probes under the gate);
-        `ngram` takes head, ratio, no-hysteresis and classes. The name keeps the comma
-        spelling."""
-        if isinstance(text, Arm):
-            return text
-        base, *mods = [part.strip() for part in str(text).replace("+", ",").split(",")]
-        name, _, width = base.partition(":")
-        pinned = None
-        if width:
-            if name not in ("tree", "adaspark", "ngram"):
-                raise UserError(f"arm {base!r}: only tree:N, adaspark:N and ngram:N take a "
-                                "width")
-            try:
-                pinned = int(width)
-            except ValueError:
-                raise UserError(f"arm {base!r}: the width must be an integer") from None
-            if not 1 <= pinned <= MAX_WIDTH:
-                raise UserError(f"arm {base!r}: the width must lie in 1..{MAX_WIDTH}")
-        if name == "ar":
-            arm = cls(name=base, draft=False, ngram=False)
-        elif name == "chain3":
-            arm = cls(name=base, chain=3, fitted=False, ngram=False)
-        elif name == "chain":
-            arm = cls(name=base, chain=MAX_WIDTH, fitted=False, ngram=False)
-        elif name == "tree" and pinned is not None:
-            arm = cls(name=base, pinned=pinned, fitted=False, ngram=False)
-        elif name == "cost":
-            arm = cls(name=base, fitted=False, ngram=False)
-        elif name == "adaspark":
-            arm = cls(name=base, pinned=pinned)
-        elif name == "ngram":
-            # paced: the plain step first, then widths measured only where a tree could pay
-            arm = cls(name=base, pinned=pinned, ngram_only=True, paced=True)
-            wrong = [m for m in mods if m in cls.MODIFIERS and m not in cls.NGRAM_MODIFIERS]
-            if wrong:
-                raise UserError(f"arm {text!r}: ngram has no drafter for modifier "
-                                f"{wrong[0]!r}; its modifiers: {', '.join(cls.NGRAM_MODIFIERS)}")
-        else:
-            raise UserError(f"unknown arm {base!r}; arms: {', '.join(cls.BASES)}")
-        switches = {"head": {"fitted": False}, "no-ngram": {"ngram": False},
-                    "ratio": {"ratio_rule": True}, "no-hysteresis": {"hysteresis": False},
-                    "plain": {"plain_rounds": True}, "gate": {"gate": True, "paced": True},
-                    "classes": {"classes": True}, "ladder": {"paced": False}}
-        for mod in mods:
-            if mod not in switches:
-                raise UserError(f"arm {text!r}: unknown modifier {mod!r}; "
-                                f"modifiers: {', '.join(cls.MODIFIERS)}")
-            arm = replace(arm, **switches[mod])
-        if "ladder" in mods:  # whatever the order of the modifiers
-            arm = replace(arm, paced=False)
-        return replace(arm, name=",".join([base, *mods]))
-
-    def at_width(self, width: int) -> Arm:
-        """This arm pinned to `width` (its base at :width, its modifiers kept): the sweep's."""
-        base, *mods = self.name.split(",")
-        return Arm.parse(",".join([f"{base.partition(':')[0]}:{int(width)}", *mods]))
-
-
-@dataclass
-class Plan:
-    """The rows to verify: row 0 is the anchor, rows depth-first, parents before children."""
-
-    context_length: int
-    tokens: np.ndarray  # int64[n]
-    depths: np.ndarray  # int64[n]; position of row i = start + depths[i]
-    parents: np.ndarray  # int64[n] parent row, -1 for row 0
-    mask: np.ndarray  # bool[n, n]: row i sees row j iff j is i or an ancestor of i
-    width_chosen: int  # the width asked for (may exceed rows when the tree runs out)
-    chosen_by: ChosenBy
-    width_offered: list[int] = field(default_factory=list)
-    predicted_S: float = 0.0  # expected accepted candidates of the verified tree
-    predicted_T_s: float | None = None  # the cost model's price of the width (seconds)
-    explored: bool = False  # the last row is an exploration row (§3.3)
-    fitted_prices: bool = False  # the fitted acceptance model priced the tree
-    drafted: bool = True  # the drafter ran for this round (False: plain or undrafted)
-    gate_bucket: int | None = None  # the draft gate's bucket at the anchor (None: gate off)
-    ngram_widened: bool = False  # the n-gram candidates moved the chooser wider (Cor. 4)
-    tree: CandidateTree | None = field(default=None, repr=False)  # None: a plain round
-    layout: Layout | None = field(default=None, repr=False)
-    _scored: Scored | None = field(default=None, repr=False)
-    _ranking: Ranking | None = field(default=None, repr=False)
-
-    @property
-    def rows(self) -> int:
-        return int(self.tokens.size)
-
-
-@dataclass
-class Outcome:
-    """What one verify committed: the accepted path and the bonus token."""
-
-    plan: Plan
-    rows: list[int]  # accepted rows, starting with row 0 (the anchor): the rows to commit
-    tokens: list[int]  # accepted candidates' tokens
-    bonus: int  # the target's argmax after the last accepted row
-    nodes: list[int] = field(default_factory=list)
-    labelled_parents: np.ndarray | None = field(default=None, repr=False)
-    parent_targets: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def committed(self) -> np.ndarray:
-        return np.array(self.tokens + [self.bonus], dtype=np.int64)
-
-
-Draft = Callable[[], Block]  # the drafter's block after the anchor, made on demand
-
-
-@dataclass
-class RequestState:
-    """What one request's rounds carry from round to round (Scheduler.begin_request makes it);
-    everything else the scheduler holds is learned across requests and shared by all of them."""
-
-    index: NgramIndex | None  # the request's own text (None: the arm has no n-gram index)
-    anchor: int | None  # the last committed token, the next round's row 0; None once ended
-    temperature: float = 0.0  # its sampling temperature (a feature of the acceptance model)
-    rounds: int = 0  # rounds of this request
-    plain_run: int = 0  # plain rounds in a row
-    decode_ms: float = 0.0  # its round time so far (the paced arm's budget)
-    probe_loss_ms: float = 0.0  # its probe rounds' time beyond plain steps' for their tokens
-    # the acceptance model's per-request parts: (b_req, head_offset, request_stats)
-    acceptance: tuple = ()
-    # the chooser's scores from this request's last plan, which learn()'s split test reads
-    # (another request may have planned in between)
-    chooser_round: dict | None = field(default=None, repr=False)
 
 
 # a plain round's depths, parents and mask: the same every round, shared (nothing writes into

@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from adaspark.scheduler.round import Arm
+from adaspark.scheduler.arm import Arm
 from adaspark.sim.curves import CostCurve, load_curve
 from adaspark.sim.process import World, WorldParams
 from adaspark.sim.run import ArmResult, run_arm

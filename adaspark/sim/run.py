@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.driver import Committed, Target, run_round
+from adaspark.scheduler.plan import Outcome, Plan
 from adaspark.scheduler.record import ROUND_KINDS, ChosenBy, RoundRecord, RoundTimes
-from adaspark.scheduler.round import Arm, Outcome, Plan, Scheduler
+from adaspark.scheduler.round import Scheduler
 from adaspark.scheduler.tree import Block
 from adaspark.sim.curves import CostCurve
 from adaspark.sim.process import EOS, Request, World, WorldParams, target_argmax

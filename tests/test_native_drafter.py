@@ -95,6 +95,39 @@ def test_appending_token_by_token_equals_one_batch(module, shipped, fast_model):
     assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.head, b.head)
 
 
+def test_appending_in_chunks_of_every_size_equals_one_batch(module, shipped, fast_model):
+    """fc takes a call's rows 4 at a time and the rest 3, 2 or 1 together: each size gives
+    every row the same bits."""
+    model, taps, tokens = shipped
+    one = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
+    chunks = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
+    one.cache.append(taps)
+    at = 0
+    for n in (3, 2, 1, 7, 5, 6, 4, 3, 2, 3):
+        chunks.cache.append(taps[at:at + n])
+        at += n
+    assert torch.equal(one.cache.k[:, :, :at], chunks.cache.k[:, :, :at])
+    assert torch.equal(one.cache.v[:, :, :at], chunks.cache.v[:, :, :at])
+
+
+def test_observing_a_run_of_rows_equals_gathering_them(module, shipped, fast_model):
+    """Consecutive accepted rows are sliced, others gathered: the same taps either way, and a
+    run past the rows still fails as the gather does."""
+    model, taps, tokens = shipped
+    hiddens = {i: taps[:, j] for j, i in enumerate(model.c.target_layers)}
+    run, gathered = (Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
+                     for _ in range(2))
+    for d in (run, gathered):
+        d.observe({i: h[:50] for i, h in hiddens.items()})
+    run.observe(hiddens, rows=range(50, 60))
+    gathered.observe(hiddens, rows=[50, 51, 52, 53, 54, 55, 56, 57, 59, 58])
+    gathered.truncate(58)
+    gathered.observe(hiddens, rows=[58, 59])
+    assert torch.equal(run.cache.k, gathered.cache.k)
+    with pytest.raises(IndexError):
+        run.observe(hiddens, rows=range(len(tokens) - 1, len(tokens) + 1))
+
+
 def markov_reference(model, hidden, logits, prev, shortlist, topk):
     """drafter/runtime.py's Markov and confidence heads in float64 numpy, best first with ties
     to the lower index; returns picks, top ids, top values, confidences and the largest error
@@ -204,3 +237,62 @@ def test_the_shortlist_breaks_ties_to_the_lower_index(module, shipped, fast_mode
     assert np.array_equal(vals.numpy(), r_vals)
     assert list(ids.numpy()[1, :3]) == [V - 3, V - 2, V - 1]
     assert list(ids.numpy()[2]) == list(range(8))
+
+
+@pytest.mark.parametrize("vocab", [8192, 1000])
+@pytest.mark.parametrize("layout", ["ascending", "descending", "one_set", "ties", "tail"])
+def test_the_shortlist_is_the_full_ranking_whatever_the_layout(module, fast_model, layout, vocab):
+    """The shortlist is cut by a bound from the maxima of sets of lanes, then ranked: the best
+    values ascending, descending, all in one lane of the first vectors, tied, or at the end
+    (past the whole groups where the vocabulary does not fill them) give the full ranking's
+    first S exactly (no Markov bias, topk = S)."""
+    ids = torch.arange(vocab)
+    c = DrafterConfig(target_layers=[1, 14, 27], draft_vocab_size=vocab)
+    model = DraftModel(c, ids, fast_model.embed(ids))
+    B, V, S = c.block_size, vocab, 64
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(B, V, generator=g)
+    if layout == "ascending":
+        rows = torch.arange(V).float().expand(B, V).clone()
+    elif layout == "descending":
+        rows = torch.arange(V, 0, -1).float().expand(B, V).clone()
+    elif layout == "one_set":  # every 16th value: one lane of 16 (or 8) lanes
+        rows[:, 3:3 + 16 * 2 * S:16] += 100.0
+    elif layout == "ties":
+        rows = torch.randint(0, 3, (B, V), generator=g).float()
+    else:
+        rows[:, V - 5:] += 50.0
+    with torch.no_grad():
+        model.markov_w2.weight.zero_()
+        drafter = native_drafter(module, model, POSITIONS)
+        _, top, _, _ = drafter.markov(torch.zeros(B, c.dim), rows, 5, S, S)
+    for i in range(B):
+        want = np.lexsort((np.arange(V), -rows[i].double().numpy()))[:S]
+        assert np.array_equal(top.numpy()[i], want), i
+
+
+def test_drafting_from_the_anchor_id_equals_drafting_from_its_embedding(module, shipped,
+                                                                        fast_model):
+    """Given the target's embedding table the native draft looks the anchor up and maps its
+    ids itself: the same blocks as the embed() path, for an anchor in the draft vocabulary,
+    one outside it, and one past the id table, with and without noise."""
+    model, taps, tokens = shipped
+    table = native.pack_embeddings(module, fast_model._weights.raw("token_embd.weight"))
+    hiddens = {i: taps[:, j] for j, i in enumerate(model.c.target_layers)}
+    by_id = Drafter(model, fast_model.embed, native=module, positions=POSITIONS,
+                    embedding=table)
+    by_row = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
+    outside = int(np.flatnonzero(model.to_draft_table.numpy() == model.c.draft_vocab_size)[0])
+    past = len(model.to_draft_table)
+    assert past < fast_model.config.vocab_size
+    noise = torch.randn(model.c.block_size, model.c.draft_vocab_size,
+                        generator=torch.Generator().manual_seed(2))
+    for d in (by_id, by_row):
+        d.observe(hiddens)
+    for anchor in (tokens[-1], outside, past):
+        for n in (None, noise):
+            a, b = by_id.draft(anchor, noise=n), by_row.draft(anchor, noise=n)
+            for field in ("picks", "topk_ids", "topk_logits", "head"):
+                assert np.array_equal(getattr(a, field), getattr(b, field)), (anchor, field)
+    with pytest.raises(RuntimeError, match="anchor id out of the vocabulary"):
+        by_id.draft(fast_model.config.vocab_size)

@@ -56,4 +56,6 @@ def load_drafter(target, model_path: Path, drafter_path: Path | None = None, **k
     if getattr(target, "native", None) is not None:  # the drafter runs on the target's build
         kw.setdefault("native", target.native_module)
         kw.setdefault("positions", target.cache.capacity + model.c.block_size)
+        if getattr(target, "packed_embeddings", None) is not None:  # the rows embed() reads
+            kw.setdefault("embedding", target.packed_embeddings)
     return Drafter(model, target.embed, **kw)

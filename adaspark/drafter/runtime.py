@@ -26,6 +26,15 @@ import torch
 from adaspark.drafter.model import DraftBlock, DraftModel, Embed
 
 _log = logging.getLogger(__name__)
+_NO_NOISE = torch.empty(0)  # the native draft's noise argument without noise
+
+
+def _run_of(rows: list[int], n: int) -> slice | None:
+    """rows as a slice of n rows where they are consecutive and ascending (a chain's accepted
+    path), else None."""
+    if not rows or rows[0] < 0 or rows[-1] >= n:
+        return None
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
 
 
 class DrafterCache:
@@ -78,12 +87,16 @@ class Drafter:
     def __init__(
         self, model: DraftModel, embed: Embed, capacity: int = 1024, dtype=torch.bfloat16,
         shortlist: int = 64, native: ModuleType | None = None, positions: int = 8192,
+        embedding=None,
     ):
         """dtype: weights and cache at inference on the torch path. At 7 rows every matmul is
         bound by reading its weights, so bf16 (native on AVX512-BF16 CPUs) halves the draft time.
         shortlist: candidates per row the Markov bias is applied to (>= V_d: exact).
         native: the native build's module (the target's): the whole draft in one call on Q8_0
-        weights (drafter/native.py), positions up to `positions`; None: the torch path."""
+        weights (drafter/native.py), positions up to `positions`; None: the torch path.
+        embedding: the target's packed embedding table (the native module's QWeight whose rows
+        `embed` gives) or None: with it the native draft looks the anchor up itself and
+        returns target ids, no tensor work around the call."""
         self.shortlist = shortlist
         self.native = None
         if native is not None:
@@ -98,6 +111,9 @@ class Drafter:
             except RuntimeError as err:  # a shape the native drafter does not take
                 _log.warning("drafter: the native draft cannot run this checkpoint (%s); the "
                              "torch path runs", str(err).splitlines()[0])
+        self._by_token = self.native is not None and embedding is not None
+        if self._by_token:
+            self.native.set_vocab(embedding, model.to_draft_table, model.draft_ids)
         if self.native is None and dtype != torch.float32:
             model = copy.deepcopy(model).to(dtype)
             model.head = model.head.to(dtype)
@@ -171,38 +187,46 @@ class Drafter:
         missing = [layer for layer in self.tap_layers if layer not in hiddens]
         if missing:
             raise ValueError(f"the target forward did not tap layers {missing} for the drafter")
-        if rows is not None:
-            idx = torch.as_tensor(list(rows), dtype=torch.long)
-            taps = torch.stack([hiddens[layer][idx] for layer in self.tap_layers], -2)
-        else:  # a copy: the target may reuse its output buffers before the next draft
+        # stack copies: the target may reuse its output buffers before the next draft
+        if rows is None:
             taps = torch.stack([hiddens[layer] for layer in self.tap_layers], -2)
+        elif (run := _run_of(rows := list(rows), len(hiddens[self.tap_layers[0]]))) is not None:
+            taps = torch.stack([hiddens[layer][run] for layer in self.tap_layers], -2)
+        else:
+            idx = torch.as_tensor(rows, dtype=torch.long)
+            taps = torch.stack([hiddens[layer][idx] for layer in self.tap_layers], -2)
         if taps.shape[0]:
             self._pending.append(taps)
             self._pending_len += taps.shape[0]
 
-    @torch.inference_mode()
     def draft(self, anchor: int, noise: torch.Tensor | None = None) -> DraftBlock:
         """Draft the B tokens after `anchor`, which sits at position self.length. noise: [B,
         V_d] added to the backbone logits first (sampling: the target's Gumbel noise times T),
         so the picks and candidates are the perturbed ones."""
         cache = self.cache
         cache._grow(cache.length + self.block_size)  # the block's K/V: slots past the prefix
-        anchor_t = torch.tensor([anchor])
         if self.native is not None:
-            return self._draft_native(anchor_t, noise)
-        return self._draft_torch(anchor_t, noise)
+            return self._draft_native(int(anchor), noise)
+        return self._draft_torch(torch.tensor([anchor]), noise)
 
-    def _draft_native(self, anchor_t: torch.Tensor, noise: torch.Tensor | None) -> DraftBlock:
-        cache, anchor = self._cache, int(anchor_t)
+    def _draft_native(self, anchor: int, noise: torch.Tensor | None) -> DraftBlock:
+        cache = self._cache
+        noise = _NO_NOISE if noise is None else noise.float()
+        if self._by_token:  # the whole round's draft in the one call
+            picks, top_i, top_v, conf = self.native.draft_token(
+                cache.k, cache.v, anchor, cache.length, self.shortlist, self.topk, noise)
+            return DraftBlock(picks=picks.numpy(), topk_ids=top_i.numpy(),
+                              topk_logits=top_v.numpy(), head=conf.numpy())
         # the anchor's draft index; ids past the table are outside the draft vocabulary
         prev = int(self._to_draft[anchor]) if anchor < len(self._to_draft) else len(self._draft_ids)
         picks, top_i, top_v, conf = self.native.draft(
-            cache.k, cache.v, self.embed(anchor_t)[0].float(), cache.length, prev,
-            self.shortlist, self.topk, torch.empty(0) if noise is None else noise.float())
+            cache.k, cache.v, self.embed(torch.tensor([anchor]))[0].float(), cache.length, prev,
+            self.shortlist, self.topk, noise)
         ids = self._draft_ids
         return DraftBlock(picks=ids[picks.numpy()], topk_ids=ids[top_i.numpy()],
                           topk_logits=top_v.numpy(), head=conf.numpy())
 
+    @torch.inference_mode()
     def _draft_torch(self, anchor_t: torch.Tensor, noise: torch.Tensor | None) -> DraftBlock:
         m, cache, B = self.model, self._cache, self.block_size
         n = cache.length

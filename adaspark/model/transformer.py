@@ -298,6 +298,7 @@ class Transformer:
         self.output = Linear([w.raw(head)], precision, self.device)
         self.tied = head == "token_embd.weight"
         self._embedding_rows = None  # the native embedding lookup, when the native forward runs
+        self.packed_embeddings = None  # the native token embeddings (a QWeight), likewise
 
         capacity = max_context or min(c.context_length, DEFAULT_MAX_CONTEXT)
         self._rope_tables(w.optional("rope_freqs.weight"), capacity, rope_kinds)
@@ -385,6 +386,7 @@ class Transformer:
                 **self._native_parts(layer))
             w.f.release_pages(n for n in names if n.startswith(p))
         self.native_isa, self.native_module = module.ISA, module
+        self.packed_embeddings = embeddings  # the drafter's native draft looks anchors up in it
         self._embedding_rows, self._head_rows = embeddings.rows, packed_head.rows
         return model, ""
 

@@ -94,6 +94,7 @@ struct Segment {
   const int64_t* pos = nullptr;  // its rows' positions (read with a window)
   int64_t window = 0;            // a row sees keys at positions > its own - window; 0: all
   bool chain = false;  // anc is causal and row r sits at position start + r (is_chain)
+  bool block = false;  // every row sees all n rows and row r sits at position start + r
 };
 
 // Whether a segment's n rows are a plain chain from `start`: row r sees rows t <= r and sits at
@@ -253,8 +254,9 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
 
 // A chain segment's queries (attend_c's order: row-major over (row, head in the group)) over
 // the cache alone: its rows' K/V are in their slots already and row r's visible slots are
-// [0, start + r], so a block of kChainQueries queries shares every key and value tile, each
-// converted from fp16 once for the block, and no mask is read. Per query the arithmetic is
+// [0, start + r] ([0, start + n) for a block segment: the drafter's), so a block of up to
+// kChainQueries queries shares every key and value tile, each converted from fp16 once for
+// the block, and no mask is read. Per query the arithmetic is
 // attend_c's: the same per-slot scores (sum_lanes), max, exps, lane sums from a W-group before
 // its first visible slot (earlier groups would add only zeros) and values added in slot order,
 // so a row comes out bit for bit as attend_c computes it, over a cached prefix or not.
@@ -265,7 +267,9 @@ void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const 
                   float* out) {
   const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
   const int64_t start = sg.start, n = sg.n, nq = n * group;
-  const int64_t blocks = (nq + kChainQueries - 1) / kChainQueries;
+  // a block segment's few queries in two blocks a kv head: tasks for both threads
+  const int64_t per = sg.block ? std::min<int64_t>(kChainQueries, (nq + 1) / 2) : kChainQueries;
+  const int64_t blocks = (nq + per - 1) / per;
   const int64_t stride = round_up(start + n, W);
   const float scale = hs.scale ? hs.scale : 1.0f / std::sqrt(static_cast<float>(hd));
   // tasks (block, kv head), the longest rows first so that claiming them keeps both busy
@@ -273,8 +277,8 @@ void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const 
     thread_local std::vector<float> scores;
     scores.resize(kChainQueries * stride);
     alignas(64) float tile[W][C * W];  // W slots' keys, then values, in float32
-    const int64_t g = t % hs.kv_heads, q0 = (blocks - 1 - t / hs.kv_heads) * kChainQueries;
-    const int qn = static_cast<int>(std::min<int64_t>(kChainQueries, nq - q0));
+    const int64_t g = t % hs.kv_heads, q0 = (blocks - 1 - t / hs.kv_heads) * per;
+    const int qn = static_cast<int>(std::min<int64_t>(per, nq - q0));
     const uint16_t* kg = sg.kl + g * sg.capacity * hd;
     const uint16_t* vg = sg.vl + g * sg.capacity * hd;
     int64_t row[kChainQueries], head[kChainQueries], m[kChainQueries], lo[kChainQueries],
@@ -284,7 +288,7 @@ void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const 
       const int64_t qi = q0 + i;
       row[i] = qi / group;
       head[i] = g * group + qi % group;
-      m[i] = start + row[i] + 1;  // visible slots [lo, m)
+      m[i] = start + (sg.block ? n : row[i] + 1);  // visible slots [lo, m)
       lo[i] = sg.window ? std::max<int64_t>(0, start + row[i] - sg.window + 1) : 0;
       from[i] = lo[i] / W * W;
     }
@@ -391,7 +395,7 @@ void attend_segments(const Heads& hs, const float* q_rows, int64_t q_stride,
                      const std::vector<Segment>& segs, float* out) {
   std::vector<Segment> rest;
   for (const Segment& sg : segs) {
-    if (sg.chain && sg.n >= kChainRows)
+    if ((sg.chain && sg.n >= kChainRows) || sg.block)
       attend_chain<C>(hs, q_rows, q_stride, sg, out);
     else
       rest.push_back(sg);

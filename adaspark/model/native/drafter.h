@@ -7,16 +7,178 @@
 // confidence head stay float32 (they are small and run along the picks).
 #pragma once
 
+#include <array>
+#include <chrono>
+#include <map>
 #include <numeric>
+#include <optional>
 
 #include "kernels.h"
 
 namespace adaspark {
 
+// Wall time of each phase of append() and draft(), summed until taken (benchmarks/
+// draft_profile.py): one clock read a phase, some 20 ns each against a draft's ~1 ms.
+class PhaseClock {
+ public:
+  enum Phase : int {
+    fc, context_norm, context_kv, context_store,                        // append
+    block_norm, qkv, block_rope, attention, o, ffn_norm, gate_up, gate,  // draft: backbone
+    down, out_norm, head, shortlist, markov, topk, confidence, count     // draft: heads
+  };
+  void start() { last_ = Clock::now(); }
+  void mark(Phase p) {
+    const auto now = Clock::now();
+    ns_[p] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count();
+    last_ = now;
+  }
+  // {phase: ms} since the last take, and the clock back to zero.
+  std::map<std::string, double> take() {
+    static const char* names[count] = {
+        "fc", "context_norm", "context_kv", "context_store", "block_norm", "qkv", "block_rope",
+        "attention", "o", "ffn_norm", "gate_up", "gate", "down", "out_norm", "head",
+        "shortlist", "markov", "topk", "confidence"};
+    std::map<std::string, double> out;
+    for (int p = 0; p < count; ++p) out[names[p]] = ns_[p] * 1e-6;
+    ns_.fill(0);
+    return out;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point last_;
+  std::array<int64_t, count> ns_{};
+};
+
 struct DraftLayer {
   torch::Tensor attn_norm, ffn_norm;
   QWeight qkv, kv, o, gate_up, down;  // kv: the k|v rows of qkv alone, for context features
 };
+
+// fc's dots, y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1):
+// tiles of up to 4 rows x 4 outputs share their loads, so fc's weights are read once per 4
+// rows (vdots takes rows 4 at a time and the rest one by one: a 3-row append read all of fc
+// three times). Each value keeps vdot's steps (one accumulator, chunks in order, then vsum).
+template <int R>
+inline void dot_tiles(const float* x, const float* w, int64_t o0, int64_t o1, int64_t k,
+                      float* y, int64_t ldy) {
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) {
+    vf acc[R][4];
+    for (auto& row : acc)
+      for (vf& v : row) v = vzero();
+    for (int64_t c = 0; c < k; c += W) {
+      vf ws[4];
+      for (int j = 0; j < 4; ++j) ws[j] = vload(w + (o + j) * k + c);
+      for (int i = 0; i < R; ++i) {
+        const vf xs = vload(x + i * k + c);
+        for (int j = 0; j < 4; ++j) acc[i][j] = vfma(xs, ws[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < 4; ++j) y[i * ldy + o + j] = vsum(acc[i][j]);
+  }
+  for (; o < o1; ++o)
+    for (int i = 0; i < R; ++i) y[i * ldy + o] = vdot(x + i * k, w + o * k, k);
+}
+
+inline void fc_dots(const float* x, int64_t rows, const float* w, int64_t o0, int64_t o1,
+                    int64_t k, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* xr = x + r * k;
+    float* yr = y + r * ldy;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: dot_tiles<4>(xr, w, o0, o1, k, yr, ldy); break;
+      case 3: dot_tiles<3>(xr, w, o0, o1, k, yr, ldy); break;
+      case 2: dot_tiles<2>(xr, w, o0, o1, k, yr, ldy); break;
+      default: dot_tiles<1>(xr, w, o0, o1, k, yr, ldy); break;
+    }
+  }
+}
+
+// The s best of x[0, n) best first, ties to the lower index: top_indices' answer, by a bound
+// first. The values are split into m >= s disjoint sets (lane j of W-vectors q*g .. q*g+g-1)
+// and t is the s-th largest of their maxima: at least s values are >= t, so the s best are
+// all >= t, and only the values >= t (a few times s) are ranked, not a heap over all n.
+// maxima, cand: scratch kept by the caller.
+inline void shortlist_of(const float* x, int64_t n, int64_t s, std::vector<int64_t>& out,
+                         std::vector<float>& maxima, std::vector<int64_t>& cand) {
+  const int64_t g = std::max<int64_t>(1, n / (4 * s));  // vectors a group: about 4s sets
+  const int64_t groups = n / (g * W);
+  if (groups * W < s) return top_indices(x, n, s, out);
+  maxima.resize(groups * W);
+  for (int64_t q = 0; q < groups; ++q) {
+    const float* xq = x + q * g * W;
+    vf top = vload(xq);
+    for (int64_t v = 1; v < g; ++v) top = vmax(top, vload(xq + v * W));
+    vstore(maxima.data() + q * W, top);
+  }
+  std::nth_element(maxima.begin(), maxima.begin() + (s - 1), maxima.end(), std::greater<>());
+  const float t = maxima[s - 1];
+  cand.clear();
+  const vf tv = vset1(t);
+  int64_t i = 0;
+  for (; i + W <= n; i += W)
+    for (unsigned bits = vge_mask(vload(x + i), tv); bits; bits &= bits - 1)
+      cand.push_back(i + __builtin_ctz(bits));
+  for (; i < n; ++i)
+    if (x[i] >= t) cand.push_back(i);
+  if (static_cast<int64_t>(cand.size()) < s) return top_indices(x, n, s, out);  // NaNs
+  auto better = [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  std::partial_sort(cand.begin(), cand.begin() + s, cand.end(), better);
+  out.assign(cand.begin(), cand.begin() + s);
+}
+
+// 8 floats a[0..7][i0 + k] for k = 0..7 (8 rows of a matrix, 8 columns from i0) as t[k]: the
+// standard 8 x 8 transpose.
+inline void transpose8(const float* const* a, int64_t i0, __m256 t[8]) {
+  __m256 r[8], u[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(a[j] + i0);
+  for (int j = 0; j < 8; j += 2) {
+    u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+    u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 8; j += 4) {
+    r[j] = _mm256_shuffle_ps(u[j], u[j + 2], 0x44);
+    r[j + 1] = _mm256_shuffle_ps(u[j], u[j + 2], 0xEE);
+    r[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0x44);
+    r[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
+    t[j + 4] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
+  }
+}
+
+// out[j] = sum over i in order of a_j[i] * e[i], each product rounded, then added (a plain
+// loop's float steps, which gcc keeps unfused here): 8 rows a pass, one row a lane, so 8 sums
+// run side by side instead of one chain of r dependent adds each. r a multiple of 8.
+inline void ordered_dots(const float* const* a, int64_t rows, const float* e, int64_t r,
+                         float* out) {
+  int64_t j0 = 0;
+  for (; j0 + 8 <= rows; j0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i0 = 0; i0 < r; i0 += 8) {
+      __m256 t[8];
+      transpose8(a + j0, i0, t);
+      for (int k = 0; k < 8; ++k) {
+        __m256 p = _mm256_mul_ps(t[k], _mm256_set1_ps(e[i0 + k]));
+        asm("" : "+x"(p));  // rounded on its own: no fused multiply-add
+        acc = _mm256_add_ps(acc, p);
+      }
+    }
+    _mm256_storeu_ps(out + j0, acc);
+  }
+  for (; j0 < rows; ++j0) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < r; ++i) {
+      float p = a[j0][i] * e[i];
+      asm("" : "+x"(p));
+      s += p;
+    }
+    out[j0] = s;
+  }
+}
 
 class Drafter {
  public:
@@ -60,6 +222,7 @@ class Drafter {
     const int64_t n = taps.size(0);
     const int64_t capacity = check_cache(cache_k, cache_v, start, n);
     if (n == 0) return;
+    clock_.start();
     taps = taps.contiguous();
     const int64_t kvw = hs_.kv_heads * hs_.hd, half = hs_.hd / 2;
     std::vector<float> feats(n * dim_), kv(n * 2 * kvw);
@@ -69,12 +232,15 @@ class Drafter {
     const float* fw = fc_.data_ptr<float>();
     const int64_t k = fc_.size(1);
     at::parallel_for(0, dim_, 16, [&](int64_t o0, int64_t o1) {
-      vdots(tp, n, fw, o0, o1, k, feats.data(), dim_);
+      fc_dots(tp, n, fw, o0, o1, k, feats.data(), dim_);
     });
+    clock_.mark(PhaseClock::fc);
     rms_norm_rows(feats.data(), ctx_norm_.data_ptr<float>(), feats.data(), n, dim_, eps_);
     quantize_rows(feats.data(), n, dim_, act_);
+    clock_.mark(PhaseClock::context_norm);
     for (size_t li = 0; li < layers_.size(); ++li) {
       qmatmul_into(layers_[li].kv, act_, kv.data(), 2 * kvw);
+      clock_.mark(PhaseClock::context_kv);
       auto [kl, vl] = layer_cache(cache_k, cache_v, li, capacity);
       for (int64_t r = 0; r < n; ++r) {
         float* row = kv.data() + r * 2 * kvw;
@@ -85,6 +251,7 @@ class Drafter {
                      sin_.data_ptr<float>() + p * half, half);
         store_kv(hs_, row, row + kvw, kl, vl, p, capacity);
       }
+      clock_.mark(PhaseClock::context_store);
     }
   }
 
@@ -119,6 +286,42 @@ class Drafter {
     return markov(hidden_, logits_, prev, shortlist, topk);
   }
 
+  // The anchor as a target id, for draft_token(): the target's embedding table (its row, the
+  // values the target's embedding lookup gives), to_draft [ids] (target id -> draft index; an
+  // id past its end, or mapped to V_d, is outside the draft vocabulary) and draft_ids [V_d]
+  // (back to target ids).
+  void set_vocab(QWeight embedding, torch::Tensor to_draft, torch::Tensor draft_ids) {
+    TORCH_CHECK(embedding.k == dim_, "the embedding table must have dim columns");
+    TORCH_CHECK(draft_ids.numel() == head_.n, "draft_ids must have V_d entries");
+    embedding_ = std::move(embedding);
+    to_draft_ = to_draft.to(torch::kLong).contiguous();
+    draft_ids_ = draft_ids.to(torch::kLong).contiguous();
+    anchor_row_ = torch::empty({dim_}, torch::kFloat);
+  }
+
+  // draft() from the anchor's target id, picks and top-k as target ids: a round's draft with
+  // no tensor work around it (after a target forward the host's caches are cold, and each
+  // torch call around the draft cost some 20-60 us there).
+  std::vector<torch::Tensor> draft_token(torch::Tensor cache_k, torch::Tensor cache_v,
+                                         int64_t anchor, int64_t start, int64_t shortlist,
+                                         int64_t topk, torch::Tensor noise) {
+    TORCH_CHECK(embedding_.has_value(), "set_vocab() first");
+    TORCH_CHECK(anchor >= 0 && anchor < embedding_->n, "anchor id out of the vocabulary");
+    embedding_->row(anchor, anchor_row_.data_ptr<float>());
+    const int64_t prev = anchor < to_draft_.numel() ? to_draft_.data_ptr<int64_t>()[anchor]
+                                                    : head_.n;
+    auto out = draft(cache_k, cache_v, anchor_row_, start, prev, shortlist, topk, noise);
+    const int64_t* ids = draft_ids_.data_ptr<int64_t>();
+    for (int i = 0; i < 2; ++i) {
+      int64_t* p = out[i].data_ptr<int64_t>();
+      for (int64_t j = 0; j < out[i].numel(); ++j) p[j] = ids[p[j]];
+    }
+    return out;
+  }
+
+  // {phase: ms} of the append() and draft() calls since the last read (the phase clock).
+  std::map<std::string, double> phase_ms() { return clock_.take(); }
+
  private:
   // backbone() into hidden [block, dim] and logits [block, V_d], float32, contiguous.
   void backbone_into(torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor anchor_emb,
@@ -130,6 +333,7 @@ class Drafter {
     const int64_t qw = hs_.heads * hs_.hd, kvw = hs_.kv_heads * hs_.hd, qkvw = qw + 2 * kvw;
     const int64_t half = hs_.hd / 2;
     TORCH_CHECK(start + B <= cos_.size(0), "position past the rope table");
+    clock_.start();
     anchor_emb = anchor_emb.contiguous();
     Scratch& sc = scratch_;
     sc.x.resize(B * dim_);
@@ -144,12 +348,18 @@ class Drafter {
     std::memcpy(x.data(), anchor_emb.data_ptr<float>(), dim_ * 4);
     for (int64_t r = 1; r < B; ++r) std::memcpy(&x[r * dim_], mask_.data_ptr<float>(), dim_ * 4);
     std::vector<uint8_t> all(B * B, 1);  // non-causal inside the block
+    static constexpr PhaseClock::Phase tail[] = {PhaseClock::o, PhaseClock::ffn_norm,
+                                                 PhaseClock::gate_up, PhaseClock::gate,
+                                                 PhaseClock::down};
+    auto mark_tail = [this](int step) { clock_.mark(tail[step]); };
     for (size_t li = 0; li < layers_.size(); ++li) {
       const DraftLayer& ly = layers_[li];
       auto [kl, vl] = layer_cache(cache_k, cache_v, li, capacity);
       rms_norm_rows(x.data(), ly.attn_norm.data_ptr<float>(), h.data(), B, dim_, eps_);
       quantize_rows(h.data(), B, dim_, act_);
+      clock_.mark(PhaseClock::block_norm);
       qmatmul_into(ly.qkv, act_, qkv.data(), qkvw);
+      clock_.mark(PhaseClock::qkv);
       for (int64_t r = 0; r < B; ++r) {
         float* row = qkv.data() + r * qkvw;
         const float* cs = cos_.data_ptr<float>() + (start + r) * half;
@@ -158,14 +368,19 @@ class Drafter {
           rope_pairs(row + hh * hs_.hd, cs, sn, half);
         store_kv(hs_, row + qw, row + qw + kvw, kl, vl, start + r, capacity);
       }
-      attend(hs_, qkv.data(), qkvw, kl, vl, start, capacity,
-             reinterpret_cast<const bool*>(all.data()), B, attn.data());
+      clock_.mark(PhaseClock::block_rope);
+      Segment block{kl, vl, start, capacity, 0, B, reinterpret_cast<const bool*>(all.data()), B};
+      block.block = true;  // every row sees the others: one pass of each K/V tile for all
+      attend(hs_, qkv.data(), qkvw, {block}, attn.data());
+      clock_.mark(PhaseClock::attention);
       attn_out_and_ffn(ly, x.data(), attn.data(), B, dim_, qw, ffn_, eps_, act_, h.data(), y.data(),
-                       gu.data(), act.data());
+                       gu.data(), act.data(), {}, mark_tail);
     }
     rms_norm_rows(x.data(), out_norm_.data_ptr<float>(), hidden.data_ptr<float>(), B, dim_, eps_);
     quantize_rows(hidden.data_ptr<float>(), B, dim_, act_);
+    clock_.mark(PhaseClock::out_norm);
     qmatmul_into(head_, act_, logits.data_ptr<float>(), head_.n);
+    clock_.mark(PhaseClock::head);
     if (noise.numel()) {
       TORCH_CHECK(noise.sizes() == logits.sizes() && noise.scalar_type() == torch::kFloat,
                   "noise must be float32 [block, V_d]");
@@ -194,13 +409,36 @@ class Drafter {
     const float* w1 = w1_.data_ptr<float>();
     const float* w2 = w2_.data_ptr<float>();
     const float* cw = conf_.data_ptr<float>();
-    std::vector<int64_t> idx, order(S);
+    std::vector<int64_t> order(S);
     std::vector<float> sv(S);
+    std::vector<const float*> rows(S);
+    clock_.start();
+    // best first, ties to the lower index: one ranking everywhere
+    shortlists_.resize(B);
+    auto shortlist_row = [&](int64_t i) {
+      Shortlist& sl = shortlists_[i];
+      shortlist_of(logits.data_ptr<float>() + i * V, V, S, sl.idx, sl.maxima, sl.cand);
+    };
+    if (B >= 4) {  // both threads, rows on either: the same ranking
+      at::parallel_for(0, B, (B + 1) / 2, [&](int64_t r0, int64_t r1) {
+        for (int64_t i = r0; i < r1; ++i) shortlist_row(i);
+      });
+    } else {
+      for (int64_t i = 0; i < B; ++i) shortlist_row(i);
+    }
+    clock_.mark(PhaseClock::shortlist);
     for (int64_t i = 0; i < B; ++i) {
       const float* lr = logits.data_ptr<float>() + i * V;
-      top_indices(lr, V, S, idx);  // best first, ties to the lower index: one ranking everywhere
+      const std::vector<int64_t>& idx = shortlists_[i].idx;
       const float* e = w1 + prev * r;
-      for (int64_t j = 0; j < S; ++j) sv[j] = lr[idx[j]] + dot(w2 + idx[j] * r, e, r);
+      if (r % 8 == 0) {
+        for (int64_t j = 0; j < S; ++j) rows[j] = w2 + idx[j] * r;
+        ordered_dots(rows.data(), S, e, r, sv.data());
+        for (int64_t j = 0; j < S; ++j) sv[j] = lr[idx[j]] + sv[j];
+      } else {
+        for (int64_t j = 0; j < S; ++j) sv[j] = lr[idx[j]] + dot(w2 + idx[j] * r, e, r);
+      }
+      clock_.mark(PhaseClock::markov);
       std::iota(order.begin(), order.end(), 0);
       auto by_value = [&](int64_t a, int64_t b) {
         return sv[a] > sv[b] || (sv[a] == sv[b] && a < b);
@@ -210,11 +448,13 @@ class Drafter {
         top_ids.data_ptr<int64_t>()[i * K + j] = idx[order[j]];
         top_v.data_ptr<float>()[i * K + j] = sv[order[j]];
       }
+      clock_.mark(PhaseClock::topk);
       const float c = dot(cw, hidden.data_ptr<float>() + i * dim_, dim_) + dot(cw + dim_, e, r) +
                       conf_bias_;
       conf.data_ptr<float>()[i] = 1.0f / (1.0f + std::exp(-c / temp_.data_ptr<float>()[i]));
       prev = idx[order[0]];
       picks.data_ptr<int64_t>()[i] = prev;
+      clock_.mark(PhaseClock::confidence);
     }
     return {picks, top_ids, top_v, conf};
   }
@@ -260,6 +500,14 @@ class Drafter {
     std::vector<float> x, h, qkv, attn, y, gu, act;
   } scratch_;
   torch::Tensor hidden_, logits_;  // draft()'s backbone rows
+  PhaseClock clock_;
+  std::optional<QWeight> embedding_;  // set_vocab()'s
+  torch::Tensor to_draft_, draft_ids_, anchor_row_;
+  struct Shortlist {  // a row's shortlist and its scratch, kept between calls
+    std::vector<int64_t> idx, cand;
+    std::vector<float> maxima;
+  };
+  std::vector<Shortlist> shortlists_;
 };
 
 }  // namespace adaspark

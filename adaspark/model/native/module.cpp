@@ -94,5 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("append", &Drafter::append, py::call_guard<py::gil_scoped_release>())
       .def("backbone", &Drafter::backbone, py::call_guard<py::gil_scoped_release>())
       .def("markov", &Drafter::markov, py::call_guard<py::gil_scoped_release>())
-      .def("draft", &Drafter::draft, py::call_guard<py::gil_scoped_release>());
+      .def("draft", &Drafter::draft, py::call_guard<py::gil_scoped_release>())
+      .def("set_vocab", &Drafter::set_vocab)
+      .def("draft_token", &Drafter::draft_token, py::call_guard<py::gil_scoped_release>())
+      .def("phase_ms", &Drafter::phase_ms);
 }

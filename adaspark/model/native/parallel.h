@@ -25,8 +25,9 @@ void for_rows(int64_t n, const F& f) {
 // taking a fixed half each, so a thread slowed by another process on its core takes fewer and
 // the call does not wait for it (a static split runs at the pace of the slowest core). Which
 // thread computes an index changes nothing in its result. begin() / end() run once per thread.
-struct Nothing {
-  void operator()() const {}
+struct Nothing {  // a hook that does nothing, whatever it is passed
+  template <class... A>
+  void operator()(const A&...) const {}
 };
 template <class F, class Begin = Nothing, class End = Nothing>
 void for_claimed(int64_t n, const F& f, const Begin& begin = {}, const End& end = {}) {

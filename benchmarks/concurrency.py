@@ -17,6 +17,10 @@ drafting arm) for the speculative arms (docs/batching.md).
         --json out.json     # a smoke run
     .venv/bin/python benchmarks/concurrency.py --arms ar --clients 8 --mixed 200
 
+--short CHARS keeps the first turns of at most CHARS characters (the aggregate of long prompts is
+mostly prefill, which batching does not make cheaper; and a server that keeps past prompts in a
+RAM prompt cache, as llama-server does, prefills the N > 1 passes' repeated prompts for free).
+
 --mixed M then sends M mixed requests over the largest N clients (streamed and not, some
 cancelled after three deltas, some malformed) and reports 5xx answers (there should be none),
 completed replies equal to the same request sent alone, and the server's peak RSS.
@@ -62,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16,
                    help="requests per N (first turns, in file order; at least N)")
     p.add_argument("--cap", type=int, default=128, help="reply cap (max_tokens)")
+    p.add_argument("--short", type=int, default=0, metavar="CHARS",
+                   help="only first turns of at most CHARS characters (messages and tools): "
+                        "short prompts, where the steps are decode rather than prefill")
     p.add_argument("--parallel", type=int, default=None,
                    help="the server's --parallel (default: the largest N)")
     p.add_argument("--threads", type=int, default=2, help="the server's OMP_NUM_THREADS")
@@ -76,6 +83,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def first_turn(conv: Conversation) -> tuple[list[dict], list[dict] | None]:
     messages = [{"role": "system", "content": conv.system}] if conv.system else []
     return [*messages, {"role": "user", "content": conv.turns[0]}], conv.openai_tools()
+
+
+def first_turns(conversations: list[Conversation], short: int = 0) -> list:
+    """The conversations' first turns in file order; with `short`, only those of at most
+    `short` characters."""
+    requests = [first_turn(c) for c in conversations]
+    return [r for r in requests if prompt_chars(r) <= short] if short else requests
+
+
+def prompt_chars(request: tuple[list[dict], list[dict] | None]) -> int:
+    """The characters a first turn sends: its messages' text and its tools' JSON."""
+    messages, tools = request
+    return sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -294,7 +314,7 @@ def main(argv=None) -> int:
     clients = sorted({int(c) for c in args.clients.split(",")})
     arms = [a.replace("+", ",") for a in args.arms.split(",") if a]
     conversations = load_conversations(args.data)
-    requests = [first_turn(c) for c in conversations]
+    requests = first_turns(conversations, args.short)
     if len(requests) < max(max(clients), args.requests):
         requests = (requests * (max(max(clients), args.requests) // len(requests) + 1))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it
@@ -302,7 +322,8 @@ def main(argv=None) -> int:
         ensure_built()
     machine = machine_description()
     print(f"CPU: {machine.get('cpu')}; server threads {args.threads}; cap {args.cap}; "
-          f"{args.requests} requests per N (first turns of {args.data.name})")
+          f"{args.requests} requests per N (first turns of {args.data.name}"
+          f"{f', at most {args.short} characters' if args.short else ''})")
     print(HEADER)
     rows = []
     with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:

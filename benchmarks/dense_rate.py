@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from native_ab import build_base
+from native_ab import base_and_new
 
 from adaspark import cpuinfo
 from adaspark.model import native
@@ -84,10 +84,7 @@ def one_pass(weights, xs: dict[int, torch.Tensor]) -> tuple[float, list[torch.Te
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    new, why = native.load_isa(args.isa)
-    if new is None:
-        raise SystemExit(f"{args.isa}: {why}")
-    modules = {"base": build_base(args.base, args.isa), "new": new}
+    modules = base_and_new(args.base, args.isa)
     tensors = read_gguf(args.model).tensors
     names = matrices(tensors)
     dense_only = [d for d in args.dtype.split(",") if d != "gguf"]

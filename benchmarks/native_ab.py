@@ -82,6 +82,14 @@ def build_base(rev: str, isa: str) -> ModuleType:
     return module
 
 
+def base_and_new(rev: str, isa: str) -> dict[str, ModuleType]:
+    """{"base": the sources at `rev` built for `isa`, "new": the working tree's build of it}."""
+    new, why = native.load_isa(isa)
+    if new is None:
+        raise SystemExit(f"{isa}: {why}")
+    return {"base": build_base(rev, isa), "new": new}
+
+
 def with_module(module: ModuleType, path: Path, gguf, tok: Tokenizer, context: list[int]):
     """Target and drafter on `module`, the context prefilled into both."""
     load = native.load

@@ -20,7 +20,7 @@ import sys
 import time
 
 import torch
-from native_ab import build_base
+from native_ab import base_and_new
 
 from adaspark import cpuinfo
 from adaspark.model import native
@@ -46,10 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    new, why = native.load_isa(args.isa)
-    if new is None:
-        raise SystemExit(f"{args.isa}: {why}")
-    modules = {"base": build_base(args.base, args.isa), "new": new}
+    modules = base_and_new(args.base, args.isa)
     tensors = read_gguf(resolve_model(None)).tensors
     weights = {(arm, name): native.pack(m, [tensors[t] for t in parts])
                for arm, m in modules.items() for name, parts in WEIGHTS.items()}

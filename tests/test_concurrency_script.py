@@ -9,18 +9,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import concurrency  # noqa: E402
 
-from adaspark.bench.conversations import load_conversations  # noqa: E402
+from adaspark.bench.conversations import Conversation  # noqa: E402
+
+CONVERSATIONS = [
+    Conversation("chat", "0", "c", ("hello there",)),
+    Conversation("long", "1", "c", ("x" * 600,)),
+    Conversation("sys", "2", "c", ("short",), system="y" * 495),  # 500 with the system prompt
+    Conversation("chat", "3", "c", ("bye",)),
+]
 
 
 def test_short_keeps_only_first_turns_within_the_characters():
-    conversations = load_conversations(concurrency.CONVERSATIONS)
-    every = concurrency.first_turns(conversations)
-    short = concurrency.first_turns(conversations, short=500)
-    assert len(every) == len(conversations)
-    assert 0 < len(short) < len(every)
+    every = concurrency.first_turns(CONVERSATIONS)
+    short = concurrency.first_turns(CONVERSATIONS, short=500)
+    assert len(every) == len(CONVERSATIONS)
+    assert [messages[-1]["content"] for messages, _ in short] == ["hello there", "short", "bye"]
     assert all(concurrency.prompt_chars(r) <= 500 for r in short)
-    assert short == [r for r in every if concurrency.prompt_chars(r) <= 500]  # file order kept
-    assert any(concurrency.prompt_chars(r) > 500 for r in every)
+    assert concurrency.first_turns(CONVERSATIONS, short=499)[1][0][-1]["content"] == "bye"
 
 
 def test_prompt_chars_counts_the_messages_and_the_tools():

@@ -113,6 +113,31 @@ inline bool is_chain(const bool* anc, int64_t stride, const int64_t* pos, int64_
 // keep attend_c's task shape): a row's result is the same on either path.
 constexpr int64_t kChainRows = 17;
 
+// One query's softmax weights over its scores sc[from, m), the order both attention paths keep:
+// slots [from, hide) and those `hidden(f)` passes to f are -inf, the max over whole W-groups
+// then the tail, the exps of the W-groups padded to m with -inf, then the hidden slots and the
+// padding set to exactly 0; returns 1 / their lane sum.
+template <class Hidden>
+inline float softmax_weights(float* sc, int64_t from, int64_t hide, int64_t m, Hidden hidden) {
+  for (int64_t s = from; s < hide; ++s) sc[s] = -INFINITY;
+  hidden([&](int64_t s) { sc[s] = -INFINITY; });
+  vf top = vset1(-INFINITY);
+  for (int64_t s = from; s + W <= m; s += W) top = vmax(top, vload(sc + s));
+  float mx = hmax(top);
+  for (int64_t s = m / W * W; s < m; ++s) mx = std::max(mx, sc[s]);
+  const int64_t padded = round_up(m, W);
+  for (int64_t s = m; s < padded; ++s) sc[s] = -INFINITY;
+  const vf shift = vset1(mx);
+  for (int64_t s = from; s < padded; s += W)  // exp(-inf - mx) clamps to ~0 ...
+    vstore(sc + s, vexp(vsub(vload(sc + s), shift)));
+  for (int64_t s = m; s < padded; ++s) sc[s] = 0.0f;  // ... so padding and hidden
+  for (int64_t s = from; s < hide; ++s) sc[s] = 0.0f;  // keys are set to add nothing
+  hidden([&](int64_t s) { sc[s] = 0.0f; });
+  vf lanes = vzero();
+  for (int64_t s = from; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
+  return 1.0f / vsum(lanes);
+}
+
 template <int C>
 void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
               const std::vector<Segment>& segs, float* out) {
@@ -203,23 +228,9 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
           score(i, s0);
         }
         const int64_t hide = std::min(lo[i], start);  // committed slots [from, hide) hidden
-        for (int64_t s = from[i]; s < hide; ++s) sc[s] = -INFINITY;
-        hidden_ancestors(i, [&](int64_t s) { sc[s] = -INFINITY; });
-        vf top = vset1(-INFINITY);
-        for (int64_t s = from[i]; s + W <= m[i]; s += W) top = vmax(top, vload(sc + s));
-        float mx = hmax(top);
-        for (int64_t s = m[i] / W * W; s < m[i]; ++s) mx = std::max(mx, sc[s]);
-        const int64_t padded = round_up(m[i], W);
-        for (int64_t s = m[i]; s < padded; ++s) sc[s] = -INFINITY;
-        const vf shift = vset1(mx);
-        for (int64_t s = from[i]; s < padded; s += W)  // exp(-inf - mx) clamps to ~0 ...
-          vstore(sc + s, vexp(vsub(vload(sc + s), shift)));
-        for (int64_t s = m[i]; s < padded; ++s) sc[s] = 0.0f;  // ... so padding and hidden
-        for (int64_t s = from[i]; s < hide; ++s) sc[s] = 0.0f;  // keys are set to add nothing
-        hidden_ancestors(i, [&](int64_t s) { sc[s] = 0.0f; });
-        vf lanes = vzero();
-        for (int64_t s = from[i]; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
-        q[i][0] = vset1(1.0f / vsum(lanes));  // the query is spent: keep 1/sum in its place
+        const float inv = softmax_weights(sc, from[i], hide, m[i],
+                                          [&](auto f) { hidden_ancestors(i, f); });
+        q[i][0] = vset1(inv);  // the query is spent: keep 1/sum in its place
         for (int c = 0; c < C; ++c) acc[i][c] = vzero();
       }
       const int64_t lo_all = *std::min_element(lo, lo + kQueries);
@@ -315,24 +326,8 @@ void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const 
         vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
       }
     }
-    for (int i = 0; i < qn; ++i) {  // softmax: attend_c's, hidden slots being [from, lo)
-      float* sc = scores.data() + i * stride;
-      for (int64_t s = from[i]; s < lo[i]; ++s) sc[s] = -INFINITY;
-      vf top = vset1(-INFINITY);
-      for (int64_t s = from[i]; s + W <= m[i]; s += W) top = vmax(top, vload(sc + s));
-      float mx = hmax(top);
-      for (int64_t s = m[i] / W * W; s < m[i]; ++s) mx = std::max(mx, sc[s]);
-      const int64_t padded = round_up(m[i], W);
-      for (int64_t s = m[i]; s < padded; ++s) sc[s] = -INFINITY;
-      const vf shift = vset1(mx);
-      for (int64_t s = from[i]; s < padded; s += W)
-        vstore(sc + s, vexp(vsub(vload(sc + s), shift)));
-      for (int64_t s = m[i]; s < padded; ++s) sc[s] = 0.0f;
-      for (int64_t s = from[i]; s < lo[i]; ++s) sc[s] = 0.0f;
-      vf lanes = vzero();
-      for (int64_t s = from[i]; s < padded; s += W) lanes = vadd(lanes, vload(sc + s));
-      inv[i] = 1.0f / vsum(lanes);
-    }
+    for (int i = 0; i < qn; ++i)  // softmax: attend_c's, hidden slots being [from, lo)
+      inv[i] = softmax_weights(scores.data() + i * stride, from[i], lo[i], m[i], [](auto) {});
     // values: per query acc += w_s v_s over its slots in slot order, one value tile at a time;
     // the accumulators live in `out` between tiles
     auto out_of = [&](int i) { return out + (sg.row0 + row[i]) * heads * hd + head[i] * hd; };

@@ -7,11 +7,15 @@ the drafters' layers).
 A step is schedule -> run -> postprocess:
   schedule     every running Decode takes its pending token (stops, length, cancellation);
                those that finished leave and free their slot
-  run          each request still prefilling runs its next prompt chunk; one verify of every
-               decoding request's rows, each over its own KV slot
+  run          one prefill forward of every prefilling request's next prompt chunk
+               (Transformer.prefill_many); a request whose last chunk ran takes its first
+               token and decodes from this step on; one verify of every decoding request's
+               rows, each over its own KV slot
   postprocess  each request takes its rows' output: commits and picks its next token
-Requests join between steps (`add`: a free slot and the first prompt chunk) and leave at any
-step; a long prompt is prefilled a chunk per step, so the others keep streaming. A slot
+Requests join between steps (`join`: a free slot; its first chunk runs in the next step's
+prefill forward with the others', so requests arriving together wait for one forward, not for
+each other's prefills) and leave at any step; a long prompt is prefilled a chunk per step, so
+the others keep streaming. A slot
 keeps the ids it holds after its request leaves, so the next request that shares a prefix with
 it (the next turn of a conversation) reuses that prefix; the engine's own cache is slot 0.
 
@@ -57,6 +61,11 @@ class BatchTarget(Protocol):
         """Append committed tokens to the cache; the last row's argmax (and logits), every
         row's residuals after the tap layers (a drafter's features)."""
 
+    def prefill_many(self, caches: Sequence[Any], chunks: Sequence[Sequence[int]], *,
+                     tap_layers: Sequence[int] = (), return_logits: bool = False) -> list[Any]:
+        """prefill() of each sequence's chunk at the end of its cache, in one forward where
+        possible; a failure leaves every cache as it was."""
+
     def verify_many(self, caches: Sequence[Any], rows: Sequence[tuple], *,
                     tap_layers: Sequence[int] = (), return_logits: bool = False) -> Any:
         """Each sequence's rows at the end of its cache, in one forward where possible
@@ -92,14 +101,23 @@ class Batch:
         return len(self.running) >= self.max_slots
 
     def add(self, seq: Decode) -> bool:
-        """Give `seq` a free slot and prefill its first prompt chunk; it runs on from the next
-        step. False when it failed (seq.error says why: e.g. a token past the vocabulary)."""
+        """join() and prefill `seq`'s first prompt chunk now; False when it failed (seq.error
+        says why: e.g. a token past the vocabulary)."""
+        if not self.join(seq):
+            return False
+        if self._prefill([seq]):
+            self.running.remove(seq)
+            return False
+        return True
+
+    def join(self, seq: Decode) -> bool:
+        """Give `seq` a free slot: its first prompt chunk runs in the next step's prefill
+        forward, with every other request's next chunk. False when it failed."""
         if self.full:
             raise RuntimeError("no free slot: check Batch.full before adding")
         try:
             seq.start(self._slot_for(seq.prompt))
-            seq.prefill_chunk(self.target, self.prefill_chunk)
-        except Exception as err:  # this request's failure only (the slot was reset)
+        except Exception as err:  # this request's failure only
             seq.fail(err)
             return False
         self.running.append(seq)
@@ -127,29 +145,56 @@ class Batch:
         return best
 
     def step(self) -> list[Decode]:
-        """Advance every running request by one token; returns those that finished."""
+        """Advance every running request by one token; returns those that finished. The
+        prompt chunks run first, in one forward; a request whose last chunk ran streams its
+        first token at once and verifies its next row in this step's call."""
         threads.adapt()  # fewer threads while other processes keep cores busy
-        live, done = [], []
+        live, done, filling = [], [], []
         for seq in self.running:
-            try:
-                if seq.prefilling:
-                    if seq.cancelled():
-                        done.append(seq)
-                    else:
-                        seq.prefill_chunk(self.target, self.prefill_chunk)
-                elif seq.advance(self.capacity):
-                    live.append(seq)
-                else:
-                    done.append(seq)
-            except Exception as err:  # e.g. its stream callback raised, its prompt failed
-                seq.fail(err)
-                done.append(seq)
+            if seq.prefilling:
+                (filling if _ok(seq, seq.wanted) else done).append(seq)
+            else:
+                (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
+        failed = self._prefill(filling)
+        done += failed
+        for seq in filling:
+            if seq not in failed and not seq.prefilling:  # its first token: now
+                (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
         if live:
             failed = self._run(live)
             # ...and those whose round ended the reply (a speculative take() pushes tokens)
             done += failed + [seq for seq in live if seq.finished and seq not in failed]
         self.running = [seq for seq in self.running if not seq.finished]
         return done
+
+    def _prefill(self, seqs: list[Decode]) -> list[Decode]:
+        """Each request's next prompt chunk, all in one forward (Transformer.prefill_many);
+        returns those that failed. A shared call that raises changed no cache: it runs again
+        one request at a time, so only the request whose chunk fails is failed."""
+        if not seqs:
+            return []
+        chunks = [seq.next_chunk(self.prefill_chunk) for seq in seqs]
+        taps = {seq.tap_layers for seq in seqs}
+        if len(seqs) > 1 and len(taps) > 1:  # drafters reading other layers: one at a time
+            return [f for seq in seqs for f in self._prefill([seq])]
+        try:
+            outs = self.target.prefill_many(
+                [seq.slot.kv for seq in seqs], chunks, tap_layers=taps.pop(),
+                return_logits=any(s.wants_logits(c) for s, c in zip(seqs, chunks, strict=True)))
+        except Exception as err:
+            if len(seqs) > 1:
+                return [f for seq in seqs for f in self._prefill([seq])]
+            seqs[0].fail(err)  # its slot forgets what it held
+            return seqs
+        failed = []
+        for seq, chunk, out in zip(seqs, chunks, outs, strict=True):
+            try:
+                with seq.slot.guard():
+                    seq.prefilled(chunk, out)
+            except Exception as err:
+                seq.fail(err)
+                failed.append(seq)
+        return failed
 
     def _run(self, live: list[Decode]) -> list[Decode]:
         """Each live request's rows (a speculative one plans its round here), one verify of
@@ -195,3 +240,12 @@ class Batch:
             self.after_verify(live, step)
         return failed
 
+
+def _ok(seq: Decode, call: Callable[..., bool], *args: Any) -> bool:
+    """call(*args) for `seq`; one that raises (its stream callback, its prompt) fails `seq`
+    alone: False."""
+    try:
+        return call(*args)
+    except Exception as err:
+        seq.fail(err)
+        return False

@@ -117,23 +117,45 @@ class Decode:
         self._unfilled = self.prompt[keep:]
         self.timing.reused_tokens = keep
 
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers its slot's drafter reads (none for plain decoding)."""
+        drafter = self.slot.drafter
+        return () if drafter is None else tuple(drafter.tap_layers)
+
+    def next_chunk(self, size: int = PREFILL_CHUNK) -> list[int]:
+        """The next `size` prompt tokens to prefill."""
+        return self._unfilled[:size]
+
+    def wants_logits(self, chunk: Seq[int]) -> bool:
+        """Whether prefilling `chunk` needs its logits: the last chunk of a sampled request."""
+        return self.sampler is not None and len(chunk) == len(self._unfilled)
+
     def prefill_chunk(self, target: Any, size: int = PREFILL_CHUNK) -> int:
-        """Prefill the next `size` prompt tokens; the last chunk picks the first reply token.
-        Returns the rows it ran."""
-        chunk, rest = self._unfilled[:size], self._unfilled[size:]
-        drafter = self.slot.drafter  # a drafting arm's: its features follow the target's
+        """Prefill the next `size` prompt tokens alone; the last chunk picks the first reply
+        token. Returns the rows it ran."""
+        chunk = self.next_chunk(size)
         with self.slot.guard(), target.using(self.slot.kv):  # a failure leaves it clean
-            out = target.prefill(chunk, tap_layers=() if drafter is None else drafter.tap_layers,
-                                 return_logits=self.sampler is not None and not rest)
-            if drafter is not None:
-                drafter.observe(out.hiddens)
-            self.slot.commit(chunk)
-        self._unfilled = rest
-        if not rest:
+            out = target.prefill(chunk, tap_layers=self.tap_layers,
+                                 return_logits=self.wants_logits(chunk))
+            self.prefilled(chunk, out)
+        return len(chunk)
+
+    def prefilled(self, chunk: list[int], out: Any) -> None:
+        """The target's cache holds `chunk` now (out: its prefill's output, alone or in
+        Transformer.prefill_many): the drafter follows, the last chunk picks the first token."""
+        if self.slot.drafter is not None:  # a drafting arm's: its features follow the target's
+            self.slot.drafter.observe(out.hiddens)
+        self.slot.commit(chunk)
+        self._unfilled = self._unfilled[len(chunk):]
+        if not self._unfilled:
             self.token = first_token(out, self.sampler, len(self.prompt))
             self._decode_start = time.perf_counter()
             self.timing.prefill_s = self._decode_start - self._start
-        return len(chunk)
+
+    def wanted(self) -> bool:
+        """Polled before each prompt chunk: False once cancelled (see cancelled)."""
+        return not self.cancelled()
 
     def cancelled(self) -> bool:
         """Polled while prefilling: a request cancelled then ends without a token."""

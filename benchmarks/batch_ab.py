@@ -106,7 +106,7 @@ def instrument() -> None:
     from adaspark.sequence import Decode
 
     CLOCK.wrap(Decode, "take", "take (plain)")
-    CLOCK.wrap(Decode, "prefill_chunk", "prefill chunk")
+    CLOCK.wrap(Batch, "_prefill", "prefill chunks")
     count_plans()
 
 
@@ -148,7 +148,7 @@ def run(engine: Engine, prompts: list[list[int]], slots: int, cap: int) -> tuple
             i, ids = todo.pop(0)
             seq = engine.new_decode(ids, max_tokens=cap)
             seqs[id(seq)] = i
-            if not batch.add(seq):
+            if not batch.join(seq):  # prefilled in the next step's prefill forward
                 raise RuntimeError(f"request {i} failed: {seq.error}")
         for seq in batch.step():
             if seq.error is not None:

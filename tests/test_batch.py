@@ -6,8 +6,10 @@ leaves the others untouched; and the server's default --parallel."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from adaspark.engine import Engine
+from adaspark.errors import UserError
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.model.transformer import PREFILL_CHUNK
 from adaspark.sampling import SamplingParams
@@ -41,37 +43,45 @@ def alone(engine, prompt, **kw):
     return engine.generate(prompt, **kw)
 
 
-def together(engine, requests, joins=None, prefilling=None):
+def together(engine, requests, joins=None, prefilling=None, prefills=None):
     """Run the requests (kwargs of new_decode, "messages" for the prompt's) in one batch;
     request i joins at step joins[i]. Returns their Decodes and the rows each step verified;
-    `prefilling` (a list) gets how many requests were still prefilling after each step."""
+    `prefilling` (a list) gets how many requests were still prefilling after each step, and
+    `prefills` (a list) the chunks of each prefill forward."""
     engine.batch.max_slots = len(requests)
     joins = joins or [0] * len(requests)
     seqs = [engine.new_decode(engine.tokenizer.encode_chat(r.pop("messages"))
                               if "messages" in r else r.pop("prompt"), **r) for r in requests]
     widths, step = [], 0
-    calls = []
-    verify_many = engine.target.verify_many
+    calls, fills = [], []
+    verify_many, prefill_many = engine.target.verify_many, engine.target.prefill_many
 
     def spy(caches, rows, **kw):  # counts the forwards a step makes, runs the real one
         calls.append(len(rows))
         return verify_many(caches, rows, **kw)
 
-    engine.target.verify_many = spy
+    def spy_prefill(caches, chunks, **kw):
+        fills.append([len(c) for c in chunks])
+        return prefill_many(caches, chunks, **kw)
+
+    engine.target.verify_many, engine.target.prefill_many = spy, spy_prefill
     try:
         while step <= max(joins) or engine.batch.running:
             for seq, join in zip(seqs, joins, strict=True):
                 if join == step:
-                    assert engine.batch.add(seq)
-            before = len(calls)
+                    assert engine.batch.join(seq)  # prefilled in this step's prefill forward
+            before, filled = len(calls), len(fills)
             engine.batch.step()
             assert len(calls) - before <= 1  # every running row in one forward
+            assert len(fills) - filled <= 1  # every prompt chunk in another
             widths.append(sum(calls[before:]))
             if prefilling is not None:
                 prefilling.append(sum(seq.prefilling for seq in engine.batch.running))
             step += 1
     finally:
-        del engine.target.verify_many
+        del engine.target.verify_many, engine.target.prefill_many
+    if prefills is not None:
+        prefills += fills
     return seqs, widths
 
 
@@ -116,20 +126,67 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_others_stream(eng
     try:
         solo = [alone(engine, PROMPTS[0], max_tokens=12), alone(engine, LONG, max_tokens=6)]
         engine.reset()  # no slot holds the long prompt: it is prefilled from its start
-        prefilling = []
+        prefilling, prefills = [], []
         seqs, widths = together(engine, [{"messages": PROMPTS[0], "max_tokens": 12},
                                          {"prompt": LONG, "max_tokens": 6},
                                          {"prompt": LONG[1:], "max_tokens": 6,
                                           "should_stop": lambda: len(prefilling) >= 3}],
-                                joins=[0, 2, 2], prefilling=prefilling)
+                                joins=[0, 2, 2], prefilling=prefilling, prefills=prefills)
     finally:
         engine.batch.prefill_chunk = PREFILL_CHUNK
     assert [engine.result(s).token_ids for s in seqs[:2]] == [g.token_ids for g in solo]
-    # steps 2-4 ran prompt chunks 2-4 beside the short request's rows; step 5 the last chunk
-    assert widths[2:6] == [1, 1, 1, 1] and prefilling[2:6] == [2, 1, 1, 0]
-    assert widths[6] == 2  # the long one decodes from the step after its last chunk
+    # the two long ones joined together: their first chunks in one forward; steps 3-5 ran the
+    # long one's chunks 2-4 beside the short request's rows, step 6 its last chunk, and it
+    # decodes in that step already
+    assert prefills[1:] == [[64, 64], [64], [64], [64], [44]]
+    assert widths[2:7] == [1, 1, 1, 1, 2] and prefilling[2:7] == [2, 1, 1, 1, 0]
     cancelled = engine.result(seqs[2])  # cancelled between two chunks: no token
     assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == []
+
+
+def test_requests_joining_together_prefill_in_one_forward(engine):
+    """Three arrivals at once: one prefill forward of their three prompts (the third's first
+    token waits for that forward, not for two prefills before its own), and each reply is the
+    one it gets alone."""
+    solo = [alone(engine, p, max_tokens=6).token_ids for p in PROMPTS]
+    engine.reset()
+    prefills = []
+    seqs, widths = together(engine, [{"messages": p, "max_tokens": 6} for p in PROMPTS],
+                            prefills=prefills)
+    assert [engine.result(seq).token_ids for seq in seqs] == solo
+    assert len(prefills) == 1 and len(prefills[0]) == 3
+    assert widths[0] == 3  # ...and all three decode in the step of their prefill
+
+
+def test_prefill_many_is_each_prefill_alone(fast_model):
+    """Chunks of 40, 3 and 64 rows (the 3 alone takes the few-row kernels), one after a
+    committed prefix: the same argmax, logits, taps and K/V as each prefill alone; a chunk
+    that fails leaves every cache as it was."""
+    if fast_model.native is None:
+        pytest.skip("no native build: prefill_many runs each prefill alone")
+    chunks, taps = [LONG[:40], LONG[50:53], LONG[100:164]], (3, 11)
+    alone_caches, alone_outs = [], []
+    for i, chunk in enumerate(chunks):
+        cache = fast_model.new_cache()
+        with fast_model.using(cache):
+            if i == 1:
+                fast_model.prefill(LONG[200:230])
+            alone_outs.append(fast_model.prefill(chunk, taps, return_logits=True))
+        alone_caches.append(cache)
+    caches = [fast_model.new_cache() for _ in chunks]
+    with fast_model.using(caches[1]):
+        fast_model.prefill(LONG[200:230])
+    outs = fast_model.prefill_many(caches, chunks, tap_layers=taps, return_logits=True)
+    for a, b, ca, cb in zip(alone_outs, outs, alone_caches, caches, strict=True):
+        assert torch.equal(a.argmax, b.argmax) and torch.equal(a.logits, b.logits)
+        assert all(torch.equal(a.hiddens[t], b.hiddens[t]) for t in taps)
+        n = ca.length
+        assert cb.length == n and torch.equal(ca.k[..., :n, :], cb.k[..., :n, :])
+        assert torch.equal(ca.v[..., :n, :], cb.v[..., :n, :])
+    lengths = [c.length for c in caches]
+    with pytest.raises(UserError, match="out of range"):
+        fast_model.prefill_many(caches[:2], [LONG[:5], [10**7]], tap_layers=taps)
+    assert [c.length for c in caches] == lengths
 
 
 def test_a_failing_or_cancelled_request_leaves_the_others_untouched(engine):

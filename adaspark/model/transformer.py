@@ -690,6 +690,53 @@ class Transformer:
         out.hiddens = dict(zip(taps, hiddens, strict=True))
         return out
 
+    def prefill_many(self, caches: Sequence[KVCache], chunks: Sequence[Sequence[int]], *,
+                     tap_layers: Iterable[int] = (), return_logits: bool = False,
+                     ) -> list[ForwardOut]:
+        """prefill() of several sequences' next chunks (at most PREFILL_CHUNK tokens each),
+        chunks[s] appended to caches[s]: one native call where each prefill alone would run
+        native (a joining request's first token then waits for one forward, not for the
+        prefills of those that joined before it), else one after another. Each output, K/V and
+        tap is bit-identical to that sequence's prefill alone; a failure leaves every cache at
+        its length before the call."""
+        taps = sorted(set(tap_layers))
+        chunks = [[int(t) for t in chunk] for chunk in chunks]
+        if len(caches) != len(chunks) or any(not c or len(c) > PREFILL_CHUNK for c in chunks):
+            raise ValueError(f"prefill_many takes one chunk of 1-{PREFILL_CHUNK} tokens per "
+                             f"cache; got {[len(c) for c in chunks]} for {len(caches)} caches")
+        lengths = [cache.length for cache in caches]
+        alone_native = all(self.kernels.choose(len(c)).startswith("native") for c in chunks)
+        if self.native is None or len(caches) == 1 or not alone_native:
+            outs = []
+            try:
+                for cache, chunk in zip(caches, chunks, strict=True):
+                    with self.using(cache):
+                        outs.append(self.prefill(chunk, taps, return_logits=return_logits))
+            except BaseException:
+                for cache, length in zip(caches, lengths, strict=True):
+                    cache.truncate(length)
+                raise
+            return outs
+        for cache, chunk in zip(caches, chunks, strict=True):
+            cache.check_room(len(chunk))
+        counts = [len(c) for c in chunks]
+        positions = torch.cat([length + torch.arange(n) for length, n in
+                               zip(lengths, counts, strict=True)])
+        causal = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() for n in counts])
+        x, hiddens = self.native.forward_batch(
+            [c.k for c in caches], [c.v for c in caches], lengths, counts,
+            self._tokens([t for c in chunks for t in c]), positions, causal, taps)
+        ends = np.cumsum(counts)
+        head = self._head(x[torch.as_tensor(ends - 1)], "native", return_logits)  # last rows
+        outs = []
+        for s, (cache, n) in enumerate(zip(caches, counts, strict=True)):
+            cache.length += n
+            outs.append(ForwardOut(head.argmax[s:s + 1],
+                                   None if head.logits is None else head.logits[s:s + 1],
+                                   {i: h[ends[s] - n:ends[s]] for i, h in zip(taps, hiddens,
+                                                                              strict=True)}))
+        return outs
+
     # --- batched causal paths (drafter training data) --------------------------------------------
 
     def _batch_cache(self, batch: int, capacity: int) -> KVCache:

@@ -123,9 +123,10 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 // (fp16 scales, one scale per block): group_rows' integer sums and add_block's float steps,
 // the same integers and float operations in the same order, so the same bits. What differs is
 // the code around them: the type's tests and the scales' addressing leave the block loop, each
-// weight vector is loaded and unpacked where it is used (chunks outer, rows inner: R integer
-// sums live, not 8 unpacked chunks), so up to 8 rows share a pass with their sums in registers
-// (group_rows spilled its sums at 4) and their float accumulators in L1.
+// weight vector is loaded and unpacked where it is used (chunks outer, rows inner: 2R integer
+// sums live, not 8 unpacked chunks), so up to 4 rows share a pass over both halves of a group
+// with their sums in registers (group_rows spilled its sums at 4) and their float accumulators
+// in L1.
 inline bool avx2_fast(const QPart& w) {
   return w.halves == 1 && !w.factors && !w.f32 &&
          (w.bits == 4 || (w.bits == 8 && w.zero == 128));
@@ -164,6 +165,10 @@ struct Ahead {
   }
 };
 
+// Both halves of the group (16 outputs) in one pass: each broadcast of a row's activations
+// feeds both halves' products, and a row's dx and xs are broadcast once a block (on Zen 3 the
+// broadcasts, not the multiplies, held back 8 rows x one half a pass: benchmarks/int8_rate.cpp).
+// s[2i + h], acc[2i + h]: row i, outputs 8h .. 8h+7.
 template <int R, int Bits, bool Zero>
 inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                             int64_t ldy, Next next) {
@@ -180,73 +185,95 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
   const float* xs = a.xs.data() + r0 * nb;
   const int32_t* qs = a.qs.data() + r0 * nb;
   const int32_t zero = static_cast<int32_t>(w.zero);
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      if (half == 0) ahead.block(b);
-      const uint8_t* qb = qg + b * bytes + 32 * half;
-      const int8_t* xb = xq + b * kBlock;
-      __m256i s[R];
-      if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
-        auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * c));
-          const __m256i lo = _mm256_and_si256(v, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          for (int i = 0; i < R; ++i) {
-            const int8_t* x = xb + i * k + 8 * c;
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                               _mm256_maddubs_epi16(hi, bcast4(x + 4)));
-            s[i] = first ? p : _mm256_add_epi16(s[i], p);
-            pin(s[i]);
+  auto load = [](const void* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
+  __m256 acc[2 * R];
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.block(b);
+    const uint8_t* qb = qg + b * bytes;
+    const int8_t* xb = xq + b * kBlock;
+    __m256i s[2 * R];
+    if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
+      auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = load(qb + 64 * c + 32 * h);
+          lo[h] = _mm256_and_si256(v, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int i = 0; i < R; ++i) {
+          const int8_t* x = xb + i * k + 8 * c;
+          const __m256i xl = bcast4(x), xh = bcast4(x + 4);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                               _mm256_maddubs_epi16(hi[h], xh));
+            s[2 * i + h] = first ? p : _mm256_add_epi16(s[2 * i + h], p);
+            pin(s[2 * i + h]);
           }
-        };
-        pairs(0, true);
-        pairs(1, false);
-        pairs(2, false);
-        pairs(3, false);
-        for (int i = 0; i < R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
-      } else {  // Q8_0: |c| times q carrying c's sign, int32 sums
-        auto chunk = [&](int j, bool first) {
-          const __m256i c = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 64 * j)), flip);
-          const __m256i mag = _mm256_abs_epi8(c);
-          for (int i = 0; i < R; ++i) {
-            const __m256i sq = _mm256_sign_epi8(bcast4(xb + i * k + 4 * j), c);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sq), ones);
-            s[i] = first ? p : _mm256_add_epi32(s[i], p);
-            pin(s[i]);
+        }
+      };
+      pairs(0, true);
+      pairs(1, false);
+      pairs(2, false);
+      pairs(3, false);
+      for (int i = 0; i < 2 * R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
+    } else {  // Q8_0: |c| times q carrying c's sign, int32 sums
+      auto chunk = [&](int j, bool first) {
+        __m256i c[2], mag[2];
+        for (int h = 0; h < 2; ++h) {
+          c[h] = _mm256_xor_si256(load(qb + 64 * j + 32 * h), flip);
+          mag[h] = _mm256_abs_epi8(c[h]);
+        }
+        for (int i = 0; i < R; ++i) {
+          const __m256i x = bcast4(xb + i * k + 4 * j);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i sq = _mm256_sign_epi8(x, c[h]);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[h], sq), ones);
+            s[2 * i + h] = first ? p : _mm256_add_epi32(s[2 * i + h], p);
+            pin(s[2 * i + h]);
           }
-        };
-        chunk(0, true);  // unrolled by hand: a loop kept the sums in memory
-        chunk(1, false);
-        chunk(2, false);
-        chunk(3, false);
-        chunk(4, false);
-        chunk(5, false);
-        chunk(6, false);
-        chunk(7, false);
-      }
-      const __m256 dw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + 8 * half)));
-      for (int i = 0; i < R; ++i) {  // add_block's steps
-        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[i * nb + b]));
+        }
+      };
+      chunk(0, true);  // unrolled by hand: a loop kept the sums in memory
+      chunk(1, false);
+      chunk(2, false);
+      chunk(3, false);
+      chunk(4, false);
+      chunk(5, false);
+      chunk(6, false);
+      chunk(7, false);
+    }
+    __m256 dw[2], mw[2];
+    for (int h = 0; h < 2; ++h) {
+      dw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + 8 * h)));
+      if constexpr (Bits == 4 && !Zero)
+        mw[h] = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + 8 * h)));
+    }
+    for (int i = 0; i < R; ++i) {  // add_block's steps
+      const __m256 dxv = _mm256_set1_ps(dx[i * nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        __m256& o = acc[2 * i + h];
+        const __m256 scale = _mm256_mul_ps(dw[h], dxv);
         if constexpr (Bits == 8) {  // centred: s is already sum((u - 128) * q)
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[2 * i + h]), scale, o);
         } else if constexpr (Zero) {
-          const __m256i t = _mm256_sub_epi32(s[i], _mm256_set1_epi32(zero * qs[i * nb + b]));
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[i]);
+          const __m256i t =
+              _mm256_sub_epi32(s[2 * i + h], _mm256_set1_epi32(zero * qs[i * nb + b]));
+          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, o);
         } else {
-          const __m256 mw = _mm256_cvtph_ps(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + 8 * half)));
-          acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]),
-                                   _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]));
+          o = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(xs[i * nb + b]),
+                              _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[2 * i + h]), scale, o));
         }
       }
     }
-    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * half);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * h);
     for (int i = 0; i < R && valid > 0; ++i)
-      vstore_first(y + (r0 + i) * ldy + 16 * g + 8 * half, acc[i], valid);
+      vstore_first(y + (r0 + i) * ldy + 16 * g + 8 * h, acc[2 * i + h], valid);
   }
 }
 
@@ -258,8 +285,8 @@ inline void fast_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0,
   group_rows_avx2<R, 4, false>(w, a, g, r0, y, ldy, next);
 }
 
-// Up to kAvx2Rows rows a pass (their sums in registers, the float accumulators in L1).
-constexpr int kAvx2Rows = 8;
+// Up to kAvx2Rows rows a pass (both halves' sums in registers, the float accumulators in L1).
+constexpr int kAvx2Rows = 4;
 template <int... Rs>
 inline void fast_rows_n(int64_t n, const QPart& w, const QAct& a, int64_t g, int64_t r0,
                         float* y, int64_t ldy, Next next, std::integer_sequence<int, Rs...>) {

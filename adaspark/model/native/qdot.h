@@ -123,10 +123,10 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 // (fp16 scales, one scale per block): group_rows' integer sums and add_block's float steps,
 // the same integers and float operations in the same order, so the same bits. What differs is
 // the code around them: the type's tests and the scales' addressing leave the block loop, each
-// weight vector is loaded and unpacked where it is used (chunks outer, rows inner: 2R integer
-// sums live, not 8 unpacked chunks), so up to 4 rows share a pass over both halves of a group
-// with their sums in registers (group_rows spilled its sums at 4) and their float accumulators
-// in L1.
+// weight vector is loaded and unpacked where it is used (chunks outer, rows inner: HR integer
+// sums live, not 8 unpacked chunks), so up to 8 rows share a pass (4 over both halves of a
+// group) with their sums in registers (group_rows spilled its sums at 4) and their float
+// accumulators in L1.
 inline bool avx2_fast(const QPart& w) {
   return w.halves == 1 && !w.factors && !w.f32 &&
          (w.bits == 4 || (w.bits == 8 && w.zero == 128));
@@ -165,13 +165,15 @@ struct Ahead {
   }
 };
 
-// Both halves of the group (16 outputs) in one pass: each broadcast of a row's activations
-// feeds both halves' products, and a row's dx and xs are broadcast once a block (on Zen 3 the
-// broadcasts, not the multiplies, held back 8 rows x one half a pass: benchmarks/int8_rate.cpp).
-// s[2i + h], acc[2i + h]: row i, outputs 8h .. 8h+7.
-template <int R, int Bits, bool Zero>
+// H halves of the group (8H outputs, from half h0) a pass, R rows. H = 2 for calls of few
+// rows: each broadcast of a row's activations feeds both halves' products, and a row's dx and
+// xs are broadcast once a block (on Zen 3 the broadcasts, not the multiplies, held back 8 rows
+// x one half a pass: benchmarks/int8_rate.cpp). H = 1, 8 rows, for wide calls (a prefill, a
+// wide verify): each unpacked weight vector serves 8 rows (docs/results/zen3/native_ab-*).
+// s[H i + h], acc[H i + h]: row i, outputs 8 (h0 + h) .. +7.
+template <int R, int H, int Bits, bool Zero>
 inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
-                            int64_t ldy, Next next) {
+                            int64_t ldy, Next next, int h0 = 0) {
   const int64_t nb = w.nb, k = a.k;
   const Ahead ahead(next);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -188,17 +190,17 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
   auto load = [](const void* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   };
-  __m256 acc[2 * R];
-  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[H * R];
+  for (int i = 0; i < H * R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    ahead.block(b);
-    const uint8_t* qb = qg + b * bytes;
+    if (h0 == 0) ahead.block(b);
+    const uint8_t* qb = qg + b * bytes + 32 * h0;
     const int8_t* xb = xq + b * kBlock;
-    __m256i s[2 * R];
+    __m256i s[H * R];
     if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
       auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
-        __m256i lo[2], hi[2];
-        for (int h = 0; h < 2; ++h) {
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
           const __m256i v = load(qb + 64 * c + 32 * h);
           lo[h] = _mm256_and_si256(v, low4);
           hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -206,11 +208,11 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
         for (int i = 0; i < R; ++i) {
           const int8_t* x = xb + i * k + 8 * c;
           const __m256i xl = bcast4(x), xh = bcast4(x + 4);
-          for (int h = 0; h < 2; ++h) {
+          for (int h = 0; h < H; ++h) {
             const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
                                                _mm256_maddubs_epi16(hi[h], xh));
-            s[2 * i + h] = first ? p : _mm256_add_epi16(s[2 * i + h], p);
-            pin(s[2 * i + h]);
+            s[H * i + h] = first ? p : _mm256_add_epi16(s[H * i + h], p);
+            pin(s[H * i + h]);
           }
         }
       };
@@ -218,21 +220,21 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
       pairs(1, false);
       pairs(2, false);
       pairs(3, false);
-      for (int i = 0; i < 2 * R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
+      for (int i = 0; i < H * R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
     } else {  // Q8_0: |c| times q carrying c's sign, int32 sums
       auto chunk = [&](int j, bool first) {
-        __m256i c[2], mag[2];
-        for (int h = 0; h < 2; ++h) {
+        __m256i c[H], mag[H];
+        for (int h = 0; h < H; ++h) {
           c[h] = _mm256_xor_si256(load(qb + 64 * j + 32 * h), flip);
           mag[h] = _mm256_abs_epi8(c[h]);
         }
         for (int i = 0; i < R; ++i) {
           const __m256i x = bcast4(xb + i * k + 4 * j);
-          for (int h = 0; h < 2; ++h) {
+          for (int h = 0; h < H; ++h) {
             const __m256i sq = _mm256_sign_epi8(x, c[h]);
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[h], sq), ones);
-            s[2 * i + h] = first ? p : _mm256_add_epi32(s[2 * i + h], p);
-            pin(s[2 * i + h]);
+            s[H * i + h] = first ? p : _mm256_add_epi32(s[H * i + h], p);
+            pin(s[H * i + h]);
           }
         }
       };
@@ -245,61 +247,72 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
       chunk(6, false);
       chunk(7, false);
     }
-    __m256 dw[2], mw[2];
-    for (int h = 0; h < 2; ++h) {
-      dw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + 8 * h)));
+    __m256 dw[H], mw[H];
+    for (int h = 0; h < H; ++h) {
+      dw[h] = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + 8 * (h0 + h))));
       if constexpr (Bits == 4 && !Zero)
         mw[h] = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + 8 * h)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + 8 * (h0 + h))));
     }
     for (int i = 0; i < R; ++i) {  // add_block's steps
       const __m256 dxv = _mm256_set1_ps(dx[i * nb + b]);
-      for (int h = 0; h < 2; ++h) {
-        __m256& o = acc[2 * i + h];
+      for (int h = 0; h < H; ++h) {
+        __m256& o = acc[H * i + h];
         const __m256 scale = _mm256_mul_ps(dw[h], dxv);
         if constexpr (Bits == 8) {  // centred: s is already sum((u - 128) * q)
-          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[2 * i + h]), scale, o);
+          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[H * i + h]), scale, o);
         } else if constexpr (Zero) {
           const __m256i t =
-              _mm256_sub_epi32(s[2 * i + h], _mm256_set1_epi32(zero * qs[i * nb + b]));
+              _mm256_sub_epi32(s[H * i + h], _mm256_set1_epi32(zero * qs[i * nb + b]));
           o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, o);
         } else {
           o = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(xs[i * nb + b]),
-                              _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[2 * i + h]), scale, o));
+                              _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[H * i + h]), scale, o));
         }
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * h);
+  for (int h = 0; h < H; ++h) {
+    const int64_t valid = std::min<int64_t>(8, w.n - 16 * g - 8 * (h0 + h));
     for (int i = 0; i < R && valid > 0; ++i)
-      vstore_first(y + (r0 + i) * ldy + 16 * g + 8 * h, acc[2 * i + h], valid);
+      vstore_first(y + (r0 + i) * ldy + 16 * g + 8 * (h0 + h), acc[H * i + h], valid);
   }
 }
 
-template <int R>
+template <int R, int H>
 inline void fast_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                            int64_t ldy, Next next) {
-  if (w.bits == 8) return group_rows_avx2<R, 8, true>(w, a, g, r0, y, ldy, next);
-  if (w.zero) return group_rows_avx2<R, 4, true>(w, a, g, r0, y, ldy, next);
-  group_rows_avx2<R, 4, false>(w, a, g, r0, y, ldy, next);
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    if (w.bits == 8) group_rows_avx2<R, H, 8, true>(w, a, g, r0, y, ldy, next, h0);
+    else if (w.zero) group_rows_avx2<R, H, 4, true>(w, a, g, r0, y, ldy, next, h0);
+    else group_rows_avx2<R, H, 4, false>(w, a, g, r0, y, ldy, next, h0);
+  }
 }
 
-// Up to kAvx2Rows rows a pass (both halves' sums in registers, the float accumulators in L1).
-constexpr int kAvx2Rows = 4;
-template <int... Rs>
+// Calls of fewer than kWideRows rows: up to 4 rows a pass over both halves; wider calls: up to
+// 8 rows a pass over one half (the sums in registers, the float accumulators in L1). Either
+// way each (row, output) gets the same sums and float steps, so the same bits.
+constexpr int kWideRows = 8;
+template <int H, int... Rs>
 inline void fast_rows_n(int64_t n, const QPart& w, const QAct& a, int64_t g, int64_t r0,
                         float* y, int64_t ldy, Next next, std::integer_sequence<int, Rs...>) {
-  ((n == Rs + 1 ? (fast_rows_avx2<Rs + 1>(w, a, g, r0, y, ldy, next), 0) : 0), ...);
+  ((n == Rs + 1 ? (fast_rows_avx2<Rs + 1, H>(w, a, g, r0, y, ldy, next), 0) : 0), ...);
+}
+template <int H, int Rows>
+inline void fast_rows_all(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
+                          Next ahead) {
+  int64_t r = 0;
+  for (; r + Rows <= a.rows; r += Rows, ahead = {})
+    fast_rows_avx2<Rows, H>(w, a, g, r, y, ldy, ahead);
+  if (r < a.rows)
+    fast_rows_n<H>(a.rows - r, w, a, g, r, y, ldy, ahead,
+                   std::make_integer_sequence<int, Rows - 1>{});
 }
 inline void fast_part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                            Next ahead) {
-  int64_t r = 0;
-  for (; r + kAvx2Rows <= a.rows; r += kAvx2Rows, ahead = {})
-    fast_rows_avx2<kAvx2Rows>(w, a, g, r, y, ldy, ahead);
-  if (r < a.rows)
-    fast_rows_n(a.rows - r, w, a, g, r, y, ldy, ahead,
-                std::make_integer_sequence<int, kAvx2Rows - 1>{});
+  if (a.rows >= kWideRows) return fast_rows_all<1, 8>(w, a, g, y, ldy, ahead);
+  fast_rows_all<2, 4>(w, a, g, y, ldy, ahead);
 }
 #endif
 

@@ -56,11 +56,6 @@ class BatchTarget(Protocol):
     def using(self, cache: Any) -> AbstractContextManager[None]:
         """prefill / verify / commit on `cache` meanwhile."""
 
-    def prefill(self, tokens: Sequence[int], tap_layers: Sequence[int] = (), *,
-                return_logits: bool = False) -> Any:
-        """Append committed tokens to the cache; the last row's argmax (and logits), every
-        row's residuals after the tap layers (a drafter's features)."""
-
     def prefill_many(self, caches: Sequence[Any], chunks: Sequence[Sequence[int]], *,
                      tap_layers: Sequence[int] = (), return_logits: bool = False) -> list[Any]:
         """prefill() of each sequence's chunk at the end of its cache, in one forward where
@@ -174,12 +169,9 @@ class Batch:
         if not seqs:
             return []
         chunks = [seq.next_chunk(self.prefill_chunk) for seq in seqs]
-        taps = {seq.tap_layers for seq in seqs}
-        if len(seqs) > 1 and len(taps) > 1:  # drafters reading other layers: one at a time
-            return [f for seq in seqs for f in self._prefill([seq])]
-        try:
+        try:  # the drafters' features: the layers every verify taps
             outs = self.target.prefill_many(
-                [seq.slot.kv for seq in seqs], chunks, tap_layers=taps.pop(),
+                [seq.slot.kv for seq in seqs], chunks, tap_layers=self.tap_layers,
                 return_logits=any(s.wants_logits(c) for s, c in zip(seqs, chunks, strict=True)))
         except Exception as err:
             if len(seqs) > 1:

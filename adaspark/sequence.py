@@ -117,12 +117,6 @@ class Decode:
         self._unfilled = self.prompt[keep:]
         self.timing.reused_tokens = keep
 
-    @property
-    def tap_layers(self) -> tuple[int, ...]:
-        """The target layers its slot's drafter reads (none for plain decoding)."""
-        drafter = self.slot.drafter
-        return () if drafter is None else tuple(drafter.tap_layers)
-
     def next_chunk(self, size: int = PREFILL_CHUNK) -> list[int]:
         """The next `size` prompt tokens to prefill."""
         return self._unfilled[:size]
@@ -130,16 +124,6 @@ class Decode:
     def wants_logits(self, chunk: Seq[int]) -> bool:
         """Whether prefilling `chunk` needs its logits: the last chunk of a sampled request."""
         return self.sampler is not None and len(chunk) == len(self._unfilled)
-
-    def prefill_chunk(self, target: Any, size: int = PREFILL_CHUNK) -> int:
-        """Prefill the next `size` prompt tokens alone; the last chunk picks the first reply
-        token. Returns the rows it ran."""
-        chunk = self.next_chunk(size)
-        with self.slot.guard(), target.using(self.slot.kv):  # a failure leaves it clean
-            out = target.prefill(chunk, tap_layers=self.tap_layers,
-                                 return_logits=self.wants_logits(chunk))
-            self.prefilled(chunk, out)
-        return len(chunk)
 
     def prefilled(self, chunk: list[int], out: Any) -> None:
         """The target's cache holds `chunk` now (out: its prefill's output, alone or in

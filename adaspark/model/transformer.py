@@ -676,6 +676,15 @@ class Transformer:
             return ForwardOut(torch.cat([o.argmax for o in outs]),
                               None if logits is None else torch.cat(logits),
                               {i: torch.cat([o.hiddens[i] for o in outs]) for i in taps})
+        x, hiddens = self._native_many(caches, rows, taps)
+        out = self._head(x, "native", return_logits)  # what each verify alone runs
+        out.hiddens = dict(zip(taps, hiddens, strict=True))
+        return out
+
+    def _native_many(self, caches: Sequence[KVCache], rows: Sequence[tuple],
+                     taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One native forward_batch over rows[s] = (tokens, depths, ancestor_mask) at the end
+        of caches[s] (K/V written, lengths unmoved): the final-normed rows and each tap's."""
         for cache, (tokens, _, _) in zip(caches, rows, strict=True):
             cache.check_room(len(tokens))
         tokens = [int(t) for r in rows for t in r[0]]
@@ -683,12 +692,9 @@ class Transformer:
                                for c, r in zip(caches, rows, strict=True)])
         anc = torch.block_diag(*[torch.as_tensor(np.asarray(r[2]), dtype=torch.bool)
                                  for r in rows])
-        x, hiddens = self.native.forward_batch(
+        return self.native.forward_batch(
             [c.k for c in caches], [c.v for c in caches], [c.length for c in caches],
             [len(r[0]) for r in rows], self._tokens(tokens), positions, anc, taps)
-        out = self._head(x, "native", return_logits)  # what each verify alone runs
-        out.hiddens = dict(zip(taps, hiddens, strict=True))
-        return out
 
     def prefill_many(self, caches: Sequence[KVCache], chunks: Sequence[Sequence[int]], *,
                      tap_layers: Iterable[int] = (), return_logits: bool = False,
@@ -717,15 +723,10 @@ class Transformer:
                     cache.truncate(length)
                 raise
             return outs
-        for cache, chunk in zip(caches, chunks, strict=True):
-            cache.check_room(len(chunk))
         counts = [len(c) for c in chunks]
-        positions = torch.cat([length + torch.arange(n) for length, n in
-                               zip(lengths, counts, strict=True)])
-        causal = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() for n in counts])
-        x, hiddens = self.native.forward_batch(
-            [c.k for c in caches], [c.v for c in caches], lengths, counts,
-            self._tokens([t for c in chunks for t in c]), positions, causal, taps)
+        x, hiddens = self._native_many(  # each chunk a causal chain
+            caches, [(c, np.arange(n), np.tri(n, dtype=bool)) for c, n in
+                     zip(chunks, counts, strict=True)], taps)
         ends = np.cumsum(counts)
         head = self._head(x[torch.as_tensor(ends - 1)], "native", return_logits)  # last rows
         outs = []

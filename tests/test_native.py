@@ -250,9 +250,9 @@ def test_every_build_multiplies_bit_for_bit_alike(gguf):
 
 @pytest.mark.parametrize("isa", BUILDS)
 def test_every_row_count_of_each_packing_gives_each_row_alone(isa, gguf):
-    """Every pass width of the kernels for each integer packing (plain AVX2: 8 rows a pass and
-    each remainder of 1-7, its own kernel per width; VNNI: 4 a pass; AMX from 5 rows): every
-    row of a call comes out with the bits it has alone."""
+    """Every pass width of the kernels for each integer packing (Q4_0 / Q4_1 / Q8_0 on every
+    build: 8 rows a pass and each remainder of 1-7, its own kernel per width; other packings 4
+    a pass; AMX from 5 rows): every row of a call comes out with the bits it has alone."""
     module = module_for(isa)
     for i, t in enumerate(agreement_cases(gguf)):
         w = native.pack(module, [t])

@@ -31,7 +31,8 @@ from adaspark.model.native.paths import BUILD_DIR, ISA_FLAGS, SOURCE, module_nam
 def _flags(isa: str) -> dict:
     # -fopenmp compiles at::parallel_for's pragma (a header template); the loader then binds
     # libgomp.so.1 to the copy torch already loaded: one OpenMP runtime
-    return {"extra_cflags": ["-O3", "-std=c++17", "-fopenmp", *ISA_FLAGS[isa]],
+    return {"extra_cflags": ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden",
+                             *ISA_FLAGS[isa]],
             "extra_ldflags": ["-fopenmp"]}
 
 

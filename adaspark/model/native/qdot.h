@@ -118,25 +118,22 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 }
 #endif
 
-#if !defined(ADASPARK_AVX512) && !defined(ADASPARK_AVXVNNI)
-// Plain AVX2 for the two types every layer and the head of a Q4_0 / Q4_1 / Q8_0 file have
-// (fp16 scales, one scale per block): group_rows' integer sums and add_block's float steps,
-// the same integers and float operations in the same order, so the same bits. What differs is
-// the code around them: the type's tests and the scales' addressing leave the block loop, each
-// weight vector is loaded and unpacked where it is used (chunks outer, rows inner: HR integer
-// sums live, not 8 unpacked chunks), so up to 8 rows share a pass (4 over both halves of a
-// group) with their sums in registers (group_rows spilled its sums at 4) and their float
-// accumulators in L1.
-inline bool avx2_fast(const QPart& w) {
+// The fast paths, for the three types every layer and the head of a Q4_0 / Q4_1 / Q8_0 file
+// have (fp16 scales, one scale per block): group_rows' integer sums and add_block's float
+// steps, the same integers and float operations in the same order, so the same bits. What
+// differs is the code around them: the type's tests and the scales' addressing leave the block
+// loop, each weight vector is loaded and unpacked where it is used (chunks outer, rows inner:
+// R integer sums live, not 8 unpacked chunks), so up to 8 rows share a pass with their sums in
+// registers (group_rows spilled its sums at 4 and unpacked the weights again every 4 rows).
+inline bool fast_packing(const QPart& w) {
   return w.halves == 1 && !w.factors && !w.f32 &&
          (w.bits == 4 || (w.bits == 8 && w.zero == 128));
 }
 
-inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(chunk_of(p)); }
-
 // v computed here, in a register: keeps gcc from reassociating a row's sum across chunks,
 // which hoisted every product of a block and spilled them all (64 stores a block at 8 rows).
-inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+template <class V>
+inline void pin(V& v) { asm("" : "+x"(v)); }
 
 // A group's next-group prefetch with its addressing done once (prefetch_block's requests).
 struct Ahead {
@@ -165,12 +162,103 @@ struct Ahead {
   }
 };
 
+// f(integral_constant<n>) for the n in 1..Max that equals `rows` (a pass's row count).
+template <class F, int... Rs>
+inline void with_rows(int64_t rows, const F& f, std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? (f(std::integral_constant<int, Rs + 1>{}), 0) : 0), ...);
+}
+template <int Max, class F>
+inline void with_rows(int64_t rows, const F& f) {
+  with_rows(rows, f, std::make_integer_sequence<int, Max>{});
+}
+
+#ifdef ADASPARK_AVX512
+// 16 outputs a register, R rows a pass: per chunk of 4 inputs one vpdpbusd a row (its 4
+// activations broadcast), each unpacked weight vector serving every row of the pass.
+template <int R, int Bits, bool Zero>
+inline void group_rows_512(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
+                           int64_t ldy, Next next) {
+  const int64_t nb = w.nb, k = a.k;
+  const Ahead ahead(next);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
+  const uint8_t* qg = w.qp + g * nb * bytes;
+  const uint16_t* dg = static_cast<const uint16_t*>(w.dp) + g * nb * 16;
+  const uint16_t* mg = Zero ? dg : static_cast<const uint16_t*>(w.mp) + g * nb * 16;
+  const int8_t* xq = a.q.data() + r0 * k;
+  const float* dx = a.dx.data() + r0 * nb;
+  const float* xs = a.xs.data() + r0 * nb;
+  const int32_t* qs = a.qs.data() + r0 * nb;
+  const int32_t zero = static_cast<int32_t>(w.zero);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.block(b);
+    const uint8_t* qb = qg + b * bytes;
+    const int8_t* xb = xq + b * kBlock;
+    __m512i s[R];
+    for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_si512();
+    auto chunk = [&](__m512i u, int j) {  // chunk j: inputs 4j .. 4j+3
+      for (int i = 0; i < R; ++i) {
+        s[i] = _mm512_dpbusd_epi32(s[i], u, _mm512_set1_epi32(chunk_of(xb + i * k + 4 * j)));
+        pin(s[i]);
+      }
+    };
+    if constexpr (Bits == 4) {
+      #pragma GCC unroll 8  // a loop kept the sums in memory
+      for (int c = 0; c < 4; ++c) {  // chunks 2c (low nibbles) and 2c+1 (high)
+        const __m512i v = _mm512_loadu_si512(qb + 64 * c);
+        chunk(_mm512_and_si512(v, low4), 2 * c);
+        chunk(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), 2 * c + 1);
+      }
+    } else {
+      #pragma GCC unroll 8  // a loop kept the sums in memory
+      for (int j = 0; j < 8; ++j) chunk(_mm512_loadu_si512(qb + 64 * j), j);
+    }
+    auto halves16 = [](const uint16_t* p) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    };
+    const __m512 dw = halves16(dg + b * 16);
+    const __m512 mw = Zero ? dw : halves16(mg + b * 16);
+    for (int i = 0; i < R; ++i) {  // add_block's steps
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[i * nb + b]));
+      if constexpr (Zero) {
+        const __m512i t = _mm512_sub_epi32(s[i], _mm512_set1_epi32(zero * qs[i * nb + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[i]);
+      } else {
+        acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[i * nb + b]),
+                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), scale, acc[i]));
+      }
+    }
+  }
+  const int64_t valid = std::min<int64_t>(16, w.n - 16 * g);
+  for (int i = 0; i < R; ++i) vstore_first(y + (r0 + i) * ldy + 16 * g, acc[i], valid);
+}
+
+// Every row of a in passes of up to 8 (the first pass asks for the thread's next group).
+inline void fast_part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
+                           Next ahead) {
+  constexpr int kRows = 8;
+  for (int64_t r = 0; r < a.rows; r += kRows, ahead = {}) {
+    with_rows<kRows>(std::min<int64_t>(kRows, a.rows - r), [&](auto n) {
+      constexpr int R = decltype(n)::value;
+      if (w.bits == 8) group_rows_512<R, 8, true>(w, a, g, r, y, ldy, ahead);
+      else if (w.zero) group_rows_512<R, 4, true>(w, a, g, r, y, ldy, ahead);
+      else group_rows_512<R, 4, false>(w, a, g, r, y, ldy, ahead);
+    });
+  }
+}
+#else
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(chunk_of(p)); }
+
 // H halves of the group (8H outputs, from half h0) a pass, R rows. H = 2 for calls of few
 // rows: each broadcast of a row's activations feeds both halves' products, and a row's dx and
 // xs are broadcast once a block (on Zen 3 the broadcasts, not the multiplies, held back 8 rows
 // x one half a pass: benchmarks/int8_rate.cpp). H = 1, 8 rows, for wide calls (a prefill, a
 // wide verify): each unpacked weight vector serves 8 rows (docs/results/zen3/native_ab-*).
-// s[H i + h], acc[H i + h]: row i, outputs 8 (h0 + h) .. +7.
+// s[H i + h], acc[H i + h]: row i, outputs 8 (h0 + h) .. +7. The AVX-VNNI build forms the same
+// integer sums with one 256-bit vpdpbusd a chunk (Q8_0: sum(u*q) - 128 sum(q), the centred
+// sum plain AVX2 forms with its signs).
 template <int R, int H, int Bits, bool Zero>
 inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                             int64_t ldy, Next next, int h0 = 0) {
@@ -197,6 +285,42 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
     const uint8_t* qb = qg + b * bytes + 32 * h0;
     const int8_t* xb = xq + b * kBlock;
     __m256i s[H * R];
+#ifdef ADASPARK_AVXVNNI
+    for (int i = 0; i < H * R; ++i) s[i] = _mm256_setzero_si256();
+    auto chunk = [&](const __m256i* u, int j) {  // chunk j (inputs 4j .. 4j+3) of H halves
+      for (int i = 0; i < R; ++i) {
+        const __m256i x = bcast4(xb + i * k + 4 * j);
+        for (int h = 0; h < H; ++h) {
+          s[H * i + h] = _mm256_dpbusd_avx_epi32(s[H * i + h], u[h], x);
+          pin(s[H * i + h]);
+        }
+      }
+    };
+    if constexpr (Bits == 4) {
+      #pragma GCC unroll 8  // a loop kept the sums in memory
+      for (int c = 0; c < 4; ++c) {  // chunks 2c (low nibbles) and 2c+1 (high)
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = load(qb + 64 * c + 32 * h);
+          lo[h] = _mm256_and_si256(v, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        chunk(lo, 2 * c);
+        chunk(hi, 2 * c + 1);
+      }
+    } else {
+      #pragma GCC unroll 8  // a loop kept the sums in memory
+      for (int j = 0; j < 8; ++j) {
+        __m256i u[H];
+        for (int h = 0; h < H; ++h) u[h] = load(qb + 64 * j + 32 * h);
+        chunk(u, j);
+      }
+      for (int i = 0; i < R; ++i)
+        for (int h = 0; h < H; ++h)
+          s[H * i + h] = _mm256_sub_epi32(s[H * i + h], _mm256_set1_epi32(128 * qs[i * nb + b]));
+    }
+    (void)ones, (void)flip;
+#else
     if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
       auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
         __m256i lo[H], hi[H];
@@ -247,6 +371,7 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
       chunk(6, false);
       chunk(7, false);
     }
+#endif
     __m256 dw[H], mw[H];
     for (int h = 0; h < H; ++h) {
       dw[h] = _mm256_cvtph_ps(
@@ -446,9 +571,7 @@ inline void group_rows(const QPart& w, const QAct& a, int64_t g, int64_t r0, flo
 // thread's next group), integer or dense.
 inline void part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                       Next ahead) {
-#if !defined(ADASPARK_AVX512) && !defined(ADASPARK_AVXVNNI)
-  if (avx2_fast(w)) return fast_part_rows(w, a, g, y, ldy, ahead);
-#endif
+  if (fast_packing(w)) return fast_part_rows(w, a, g, y, ldy, ahead);
   constexpr int R = 4;
   auto rows = [&](auto r_const, int64_t r, Next next) {
     constexpr int n = decltype(r_const)::value;

@@ -64,8 +64,9 @@ inline vf sum_lanes(const vf* p) {
 // Softmax attention over each query's visible slots: the committed ones, then its row's
 // ancestors in the call in row order (parents precede children, so the i-th visible slot holds
 // position i). A task takes one kv head and kQueries of the queries that share it (row-major
-// over (row, head in the group)), so each committed K/V slot is converted from fp16 once for
-// them all. Scores come W slots at a time (sum_lanes); every query sums its dots, exps and
+// over (row, head in the group); the last block of a segment only the rest, computed once:
+// a 1-row step's 3 queries a kv head were 4 before), so each committed K/V slot is converted
+// from fp16 once for them all. Scores come W slots at a time (sum_lanes); every query sums its dots, exps and
 // weighted values in one fixed order per slot, so a row's result is the same in any call:
 // tree, chain, step or prefill. C: head_dim / W, a constant so accumulators stay in registers.
 //
@@ -138,10 +139,119 @@ inline float softmax_weights(float* sc, int64_t from, int64_t hide, int64_t m, H
   return 1.0f / vsum(lanes);
 }
 
+// One task of attend_c: kv head g and the Q queries from q0 of segment sg (Q = kQueries but
+// for a segment's last block, so that no query is computed twice). scores: Q * stride floats.
+template <int C, int Q>
+void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const Segment& sg,
+                  int64_t g, int64_t q0, float scale, std::vector<float>& scores, float* out) {
+  const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
+  const int64_t start = sg.start, n = sg.n, stride = round_up(start + n, W);
+  alignas(64) float keys[W][C * W];  // W slots' keys in float32
+  const uint16_t* kg = sg.kl + g * sg.capacity * hd;
+  const uint16_t* vg = sg.vl + g * sg.capacity * hd;
+  int64_t row[Q], head[Q], m[Q], lo[Q], from[Q];
+  vf q[Q][C], acc[Q][C];
+  for (int i = 0; i < Q; ++i) {
+    const int64_t qi = q0 + i;
+    row[i] = qi / group;
+    head[i] = g * group + qi % group;
+    // the first visible position, and the W-group where the query's sums start
+    lo[i] = sg.window ? std::max<int64_t>(0, sg.pos[row[i]] - sg.window + 1) : 0;
+    from[i] = std::min(lo[i], start) / W * W;
+    const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
+    for (int c = 0; c < C; ++c) q[i][c] = vload(qp + c * W);
+  }
+  // scores of W visible slots [s0, s0 + count) whose keys are in `keys`, for query i
+  auto score = [&](int i, int64_t s0) {
+    vf p[W];
+    for (int j = 0; j < W; ++j) {
+      vf d = vmul(q[i][0], vload(keys[j]));
+      for (int c = 1; c < C; ++c) d = vfma(q[i][c], vload(keys[j] + c * W), d);
+      p[j] = d;
+    }
+    vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
+  };
+  auto load_keys = [&](const uint16_t* const* ks, int64_t count) {
+    for (int j = 0; j < W; ++j)
+      for (int c = 0; c < C; ++c)
+        vstore(keys[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
+  };
+  // calls f(index) for each ancestor of query i the window hides
+  auto hidden_ancestors = [&](int i, auto f) {
+    if (!sg.window) return;
+    for (int64_t j = 0, s = start; j < n; ++j) {
+      if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
+      if (sg.pos[j] < lo[i]) f(s);
+      ++s;
+    }
+  };
+  const int64_t from_all = *std::min_element(from, from + Q);
+  const uint16_t* ks[W];
+  // whole groups of committed slots, shared by the queries; a partial last group is
+  // scored per query below, together with the row's ancestors that follow it
+  for (int64_t s0 = from_all; s0 + W <= start; s0 += W) {
+    for (int j = 0; j < W; ++j) ks[j] = kg + (s0 + j) * hd;
+    load_keys(ks, W);
+    for (int i = 0; i < Q; ++i) score(i, s0);
+  }
+  for (int i = 0; i < Q; ++i) {  // the row's ancestors, then its softmax
+    float* sc = scores.data() + i * stride;
+    int64_t s0 = start / W * W, count = start - s0;
+    for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
+    m[i] = start;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
+      ks[count++] = kg + (start + j) * hd;
+      ++m[i];
+      if (count == W) {
+        load_keys(ks, count);
+        score(i, s0);
+        s0 += W;
+        count = 0;
+      }
+    }
+    if (count) {
+      load_keys(ks, count);
+      score(i, s0);
+    }
+    const int64_t hide = std::min(lo[i], start);  // committed slots [from, hide) hidden
+    const float inv = softmax_weights(sc, from[i], hide, m[i],
+                                      [&](auto f) { hidden_ancestors(i, f); });
+    q[i][0] = vset1(inv);  // the query is spent: keep 1/sum in its place
+    for (int c = 0; c < C; ++c) acc[i][c] = vzero();
+  }
+  const int64_t lo_all = *std::min_element(lo, lo + Q);
+  for (int64_t s = lo_all; s < start; ++s) {  // committed values: one V conversion for all
+    vf v[C];
+    for (int c = 0; c < C; ++c) v[c] = vload_h(vg + s * hd + c * W);
+    for (int i = 0; i < Q; ++i) {
+      if (s < lo[i]) continue;  // hidden: skipped, not weighted by 0 (an fp16 inf stays out)
+      const vf w = vset1(scores[i * stride + s]);
+      for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < Q; ++i) {
+    const float* sc = scores.data() + i * stride;
+    int64_t s = start;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
+      if (sg.window && sg.pos[j] < lo[i]) {
+        ++s;
+        continue;
+      }
+      const uint16_t* vj = vg + (start + j) * hd;
+      const vf w = vset1(sc[s++]);
+      for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
+    }
+    float* o = out + (sg.row0 + row[i]) * heads * hd + head[i] * hd;
+    for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
+  }
+}
+
 template <int C>
 void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
               const std::vector<Segment>& segs, float* out) {
-  const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
+  const int64_t hd = hs.hd, group = hs.heads / hs.kv_heads;
   std::vector<int64_t> first(segs.size() + 1, 0);  // a segment's tasks: kv heads x query blocks
   int64_t most = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -152,112 +262,16 @@ void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
   at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scores;
     scores.resize(kQueries * most);
-    alignas(64) float keys[W][C * W];  // W slots' keys in float32
     for (int64_t t = t0; t < t1; ++t) {
       const size_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const Segment& sg = segs[si];
-      const int64_t start = sg.start, n = sg.n, nq = n * group;
-      const int64_t blocks = (nq + kQueries - 1) / kQueries, stride = round_up(start + n, W);
+      const int64_t nq = sg.n * group, blocks = (nq + kQueries - 1) / kQueries;
       const int64_t g = (t - first[si]) / blocks, q0 = (t - first[si]) % blocks * kQueries;
-      const int64_t qn = std::min<int64_t>(kQueries, nq - q0);
-      const uint16_t* kg = sg.kl + g * sg.capacity * hd;
-      const uint16_t* vg = sg.vl + g * sg.capacity * hd;
-      int64_t row[kQueries], head[kQueries], m[kQueries], lo[kQueries], from[kQueries];
-      vf q[kQueries][C], acc[kQueries][C];
-      for (int i = 0; i < kQueries; ++i) {  // a short block repeats its last query, unused
-        const int64_t qi = q0 + std::min<int64_t>(i, qn - 1);
-        row[i] = qi / group;
-        head[i] = g * group + qi % group;
-        // the first visible position, and the W-group where the query's sums start
-        lo[i] = sg.window ? std::max<int64_t>(0, sg.pos[row[i]] - sg.window + 1) : 0;
-        from[i] = std::min(lo[i], start) / W * W;
-        const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
-        for (int c = 0; c < C; ++c) q[i][c] = vload(qp + c * W);
-      }
-      // scores of W visible slots [s0, s0 + count) whose keys are in `keys`, for query i
-      auto score = [&](int i, int64_t s0) {
-        vf p[W];
-        for (int j = 0; j < W; ++j) {
-          vf d = vmul(q[i][0], vload(keys[j]));
-          for (int c = 1; c < C; ++c) d = vfma(q[i][c], vload(keys[j] + c * W), d);
-          p[j] = d;
-        }
-        vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
-      };
-      auto load_keys = [&](const uint16_t* const* ks, int64_t count) {
-        for (int j = 0; j < W; ++j)
-          for (int c = 0; c < C; ++c)
-            vstore(keys[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
-      };
-      // calls f(index) for each ancestor of query i the window hides
-      auto hidden_ancestors = [&](int i, auto f) {
-        if (!sg.window) return;
-        for (int64_t j = 0, s = start; j < n; ++j) {
-          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
-          if (sg.pos[j] < lo[i]) f(s);
-          ++s;
-        }
-      };
-      const int64_t from_all = *std::min_element(from, from + kQueries);
-      const uint16_t* ks[W];
-      // whole groups of committed slots, shared by the queries; a partial last group is
-      // scored per query below, together with the row's ancestors that follow it
-      for (int64_t s0 = from_all; s0 + W <= start; s0 += W) {
-        for (int j = 0; j < W; ++j) ks[j] = kg + (s0 + j) * hd;
-        load_keys(ks, W);
-        for (int i = 0; i < kQueries; ++i) score(i, s0);
-      }
-      for (int i = 0; i < kQueries; ++i) {  // the row's ancestors, then its softmax
-        float* sc = scores.data() + i * stride;
-        int64_t s0 = start / W * W, count = start - s0;
-        for (int j = 0; j < count; ++j) ks[j] = kg + (s0 + j) * hd;
-        m[i] = start;
-        for (int64_t j = 0; j < n; ++j) {
-          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
-          ks[count++] = kg + (start + j) * hd;
-          ++m[i];
-          if (count == W) {
-            load_keys(ks, count);
-            score(i, s0);
-            s0 += W;
-            count = 0;
-          }
-        }
-        if (count) {
-          load_keys(ks, count);
-          score(i, s0);
-        }
-        const int64_t hide = std::min(lo[i], start);  // committed slots [from, hide) hidden
-        const float inv = softmax_weights(sc, from[i], hide, m[i],
-                                          [&](auto f) { hidden_ancestors(i, f); });
-        q[i][0] = vset1(inv);  // the query is spent: keep 1/sum in its place
-        for (int c = 0; c < C; ++c) acc[i][c] = vzero();
-      }
-      const int64_t lo_all = *std::min_element(lo, lo + kQueries);
-      for (int64_t s = lo_all; s < start; ++s) {  // committed values: one V conversion for all
-        vf v[C];
-        for (int c = 0; c < C; ++c) v[c] = vload_h(vg + s * hd + c * W);
-        for (int i = 0; i < kQueries; ++i) {
-          if (s < lo[i]) continue;  // hidden: skipped, not weighted by 0 (an fp16 inf stays out)
-          const vf w = vset1(scores[i * stride + s]);
-          for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
-        }
-      }
-      for (int i = 0; i < qn; ++i) {
-        const float* sc = scores.data() + i * stride;
-        int64_t s = start;
-        for (int64_t j = 0; j < n; ++j) {
-          if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
-          if (sg.window && sg.pos[j] < lo[i]) {
-            ++s;
-            continue;
-          }
-          const uint16_t* vj = vg + (start + j) * hd;
-          const vf w = vset1(sc[s++]);
-          for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
-        }
-        float* o = out + (sg.row0 + row[i]) * heads * hd + head[i] * hd;
-        for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
+      switch (std::min<int64_t>(kQueries, nq - q0)) {
+        case 1: attend_block<C, 1>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out); break;
+        case 2: attend_block<C, 2>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out); break;
+        case 3: attend_block<C, 3>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out); break;
+        default: attend_block<C, kQueries>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out);
       }
     }
   });

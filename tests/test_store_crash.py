@@ -112,10 +112,12 @@ def test_kill_9_during_a_reply_leaves_the_store_of_the_last_reply(tmp_path):
         (path,) = stores.glob("store-*.json")
         good = path.read_bytes()
         start = len(out.text)
-        proc.stdin.write("Count from 1 to 100, separated by commas.\n")
+        # a reply of many tokens, killed within 0.1 s of its start (the counting prompt's
+        # ~50-token reply, at 230 tok/s, had ended before a kill up to 0.3 s after it)
+        proc.stdin.write("Write a long story about a lighthouse keeper, at least 300 words.\n")
         proc.stdin.flush()
         out.wait_for(lambda text: len(text) > start + 2, "the second reply to start")
-        time.sleep(random.uniform(0.0, 0.3))
+        time.sleep(random.uniform(0.0, 0.1))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:

@@ -172,6 +172,27 @@ inline void with_rows(int64_t rows, const F& f) {
   with_rows(rows, f, std::make_integer_sequence<int, Max>{});
 }
 
+// What a fast kernel reads for group g and the rows from r0: the group's packed codes, its
+// fp16 scales d and m (m is d where a zero stands for it) and the rows' activations, their
+// scales dx, dx * sum(q) and sum(q) per block.
+struct FastStreams {
+  const uint8_t* q;
+  const uint16_t *d, *m;
+  const int8_t* x;
+  const float *dx, *xs;
+  const int32_t* qs;
+  int32_t zero;
+};
+template <int Bits, bool Zero>
+inline FastStreams fast_streams(const QPart& w, const QAct& a, int64_t g, int64_t r0) {
+  const int64_t nb = w.nb;
+  const uint16_t* d = static_cast<const uint16_t*>(w.dp) + g * nb * 16;
+  return {w.qp + g * nb * (16 * kBlock * Bits / 8), d,
+          Zero ? d : static_cast<const uint16_t*>(w.mp) + g * nb * 16, a.q.data() + r0 * a.k,
+          a.dx.data() + r0 * nb, a.xs.data() + r0 * nb, a.qs.data() + r0 * nb,
+          static_cast<int32_t>(w.zero)};
+}
+
 #ifdef ADASPARK_AVX512
 // 16 outputs a register, R rows a pass: per chunk of 4 inputs one vpdpbusd a row (its 4
 // activations broadcast), each unpacked weight vector serving every row of the pass.
@@ -182,14 +203,7 @@ inline void group_rows_512(const QPart& w, const QAct& a, int64_t g, int64_t r0,
   const Ahead ahead(next);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
-  const uint8_t* qg = w.qp + g * nb * bytes;
-  const uint16_t* dg = static_cast<const uint16_t*>(w.dp) + g * nb * 16;
-  const uint16_t* mg = Zero ? dg : static_cast<const uint16_t*>(w.mp) + g * nb * 16;
-  const int8_t* xq = a.q.data() + r0 * k;
-  const float* dx = a.dx.data() + r0 * nb;
-  const float* xs = a.xs.data() + r0 * nb;
-  const int32_t* qs = a.qs.data() + r0 * nb;
-  const int32_t zero = static_cast<int32_t>(w.zero);
+  const auto [qg, dg, mg, xq, dx, xs, qs, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -267,14 +281,7 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
-  const uint8_t* qg = w.qp + g * nb * bytes;
-  const uint16_t* dg = static_cast<const uint16_t*>(w.dp) + g * nb * 16;
-  const uint16_t* mg = Zero ? dg : static_cast<const uint16_t*>(w.mp) + g * nb * 16;
-  const int8_t* xq = a.q.data() + r0 * k;
-  const float* dx = a.dx.data() + r0 * nb;
-  const float* xs = a.xs.data() + r0 * nb;
-  const int32_t* qs = a.qs.data() + r0 * nb;
-  const int32_t zero = static_cast<int32_t>(w.zero);
+  const auto [qg, dg, mg, xq, dx, xs, qs, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
   auto load = [](const void* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   };

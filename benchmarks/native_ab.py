@@ -9,7 +9,8 @@ into the cache folder as a module of their own name, beside the working tree's b
 (scripts/setup.sh); both load the embedded model and the shipped drafter and prefill the same
 `--context` tokens of text. Then, interleaved (A B, B A, ...) so that a machine speeding up or
 slowing down affects both alike: a verify of each width (a chain, the drafter's taps, forward and
-head), the head alone on real final-normed rows, one draft, and with `--prefill N` a prefill of
+head), the head alone on real final-normed rows, one draft, the drafter's catch-up of the
+context's last 256 rows (where the context holds them), and with `--prefill N` a prefill of
 the text's first N tokens from slot 0 (a chain of N rows in one forward). Prints medians, the
 ratio new / base, and whether the two builds' outputs (argmax, draft candidates) are equal: a change
 meant to keep the arithmetic must print `same`. Timing lives here, never in tests.
@@ -104,7 +105,7 @@ def with_module(module: ModuleType, path: Path, gguf, tok: Tokenizer, context: l
         raise SystemExit("the native forward did not load on this model")
     out = target.prefill(context, tap_layers=spec.drafter.tap_layers)
     spec.drafter.observe(out.hiddens)
-    return target, spec.drafter
+    return target, spec.drafter, out.hiddens
 
 
 def verify_picks(target: Transformer, chain: list[int], taps) -> list[int]:
@@ -130,6 +131,19 @@ def draft_candidates(drafter, anchor: int) -> list[list[int]]:
     return drafter.draft(anchor).topk_ids.tolist()
 
 
+CATCH_UP = 256  # rows of a catch-up: a prompt's features appended before its first draft
+
+
+def catch_up(drafter, taps: dict) -> bytes:
+    """The drafter's features of the context's last CATCH_UP rows (`taps`: the context's)
+    appended in one call, what a request's first draft pays first; the keys' bytes."""
+    n = drafter.length
+    drafter.truncate(n - CATCH_UP)
+    drafter.observe({i: h[n - CATCH_UP:n] for i, h in taps.items()})
+    cache = drafter.cache
+    return cache.k[:, :, n - CATCH_UP:n].numpy().tobytes()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -149,7 +163,7 @@ def main(argv=None) -> int:
             "new": with_module(new, path, gguf, tok, ids[:args.context])}
     widths = [int(w) for w in args.widths.split(",")]
     rows = ids[args.context:args.context + max(widths)]
-    target, drafter = arms["base"]
+    target, drafter, _ = arms["base"]
     with torch.no_grad():  # final-normed rows of real text for the head alone
         finals = target.native.forward(target.cache.k, target.cache.v, torch.tensor(rows),
                                        torch.arange(len(rows)) + args.context, args.context,
@@ -166,12 +180,14 @@ def main(argv=None) -> int:
 
     for rep in range(args.reps):
         for arm in (("base", "new") if rep % 2 == 0 else ("new", "base")):
-            target, drafter = arms[arm]
+            target, drafter, taps = arms[arm]
             for n in widths:
                 timed(arm, f"verify {n}", verify_picks, target, rows[:n], drafter.tap_layers)
             for n in (1, 5, 8):
                 timed(arm, f"head {n}", head_picks, target, finals[:n])
             timed(arm, "draft", draft_candidates, drafter, rows[0])
+            if args.context >= CATCH_UP:
+                timed(arm, f"catch-up {CATCH_UP}", catch_up, drafter, taps)
             if args.prefill:
                 timed(arm, f"prefill {args.prefill}", prefill_rows, target, ids[:args.prefill])
     medians = {what: {arm: 1000 * statistics.median(times[(arm, what)]) for arm in arms}

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from adaspark.drafter import native as native_module
 from adaspark.drafter.checkpoint import load_checkpoint
 from adaspark.drafter.loading import DEFAULT_DRAFTER, target_info
 from adaspark.drafter.model import DrafterConfig, DraftModel
-from adaspark.drafter.native import native_drafter
+from adaspark.drafter.native import fc_weights, native_drafter
 from adaspark.drafter.runtime import Drafter
 from adaspark.model import native
 
@@ -93,6 +94,30 @@ def test_appending_token_by_token_equals_one_batch(module, shipped, fast_model):
     assert torch.equal(one.cache.v[:, :, :n], many.cache.v[:, :, :n])
     a, b = one.draft(tokens[-1]), many.draft(tokens[-1])
     assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.head, b.head)
+
+
+def test_fc_reads_fp16_weights_only_where_each_weight_is_one():
+    exact = torch.tensor([[1.0, -0.5, 2.0**-20, 65504.0]])
+    assert fc_weights(exact).dtype == torch.float16
+    assert fc_weights(exact + 1e-4).dtype == torch.float32  # 1.0001 is no fp16 number
+
+
+def test_fp16_fc_weights_append_the_float32_ones_bits(module, shipped, fast_model, monkeypatch):
+    """The shipped fc is fp16 in the checkpoint: stored as fp16 (half the bytes an append
+    reads) it gives the float32 copy's features bit for bit, over 100 rows (a block of 64 and
+    the rest) and one at a time."""
+    model, taps, tokens = shipped
+    assert fc_weights(model.fc.weight).dtype == torch.float16
+    half = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
+    monkeypatch.setattr(native_module, "fc_weights", lambda w: w.detach().float().contiguous())
+    full = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
+    half.cache.append(taps)
+    full.cache.append(taps)
+    for d in (half, full):
+        d.cache.append(taps[:1])
+    n = len(tokens) + 1
+    assert torch.equal(half.cache.k[:, :, :n], full.cache.k[:, :, :n])
+    assert torch.equal(half.cache.v[:, :, :n], full.cache.v[:, :, :n])
 
 
 def test_appending_in_chunks_of_every_size_equals_one_batch(module, shipped, fast_model):

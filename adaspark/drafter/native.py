@@ -4,7 +4,7 @@ features in an fp16 cache, a whole draft in one call.
 The checkpoint's float32 matrices become Q8_0 (ggml's 8-bit blocks), so the backbone runs on
 the target's integer kernels; fc (it reads the target's residual streams, whose outlier channels
 would coarsen int8 blocks), norms, the mask vector and the Markov and confidence heads stay
-float32. At seven rows every matmul is bound by reading its weights, so 8 bits read half of
+float32 arithmetic (fc's weights stored as fp16 where each is one: the same values). At seven rows every matmul is bound by reading its weights, so 8 bits read half of
 bf16's bytes, and one call replaces some sixty torch ops.
 """
 
@@ -24,6 +24,15 @@ def _q8(module: ModuleType, *weights: torch.Tensor):
     return pack_blocks(module, [quantize_q8_0(w) for w in weights])
 
 
+def fc_weights(weight: torch.Tensor) -> torch.Tensor:
+    """fc's weights for the native append: fp16 where every weight is exactly one (the shipped
+    checkpoint's are: it reads half the bytes and computes the same float32 values), else
+    float32."""
+    w = weight.detach().float().contiguous()
+    half = w.half()
+    return half if torch.equal(half.float(), w) else w
+
+
 def native_drafter(module: ModuleType, model: DraftModel, positions: int):
     """The native Drafter for a float32 DraftModel, RoPE tables for `positions` positions."""
     c = model.c
@@ -31,7 +40,8 @@ def native_drafter(module: ModuleType, model: DraftModel, positions: int):
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
     out = module.Drafter(
         c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.block_size, c.norm_eps, cos, sin,
-        f32(model.fc.weight), f32(model.ctx_norm.weight), f32(model.mask_embedding),
+        fc_weights(model.fc.weight) if getattr(module, "FC_HALF", False) else f32(model.fc.weight),
+        f32(model.ctx_norm.weight), f32(model.mask_embedding),
         f32(model.norm.weight), _q8(module, model.head), f32(model.markov_w1.weight),
         f32(model.markov_w2.weight), f32(model.confidence.weight).flatten(),
         float(model.confidence.bias.detach()), f32(model.temperature))

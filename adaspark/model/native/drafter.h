@@ -55,45 +55,72 @@ struct DraftLayer {
   QWeight qkv, kv, o, gate_up, down;  // kv: the k|v rows of qkv alone, for context features
 };
 
+// fc's weights as stored: float32, or fp16 where every weight is one (the shipped checkpoint's
+// are), which halves what each append reads; both load as the same float32 values.
+inline vf load_weights(const float* p) { return vload(p); }
+inline vf load_weights(const uint16_t* p) { return vload_h(p); }
+
 // fc's dots, y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1):
-// tiles of up to 4 rows x 4 outputs share their loads, so fc's weights are read once per 4
-// rows (vdots takes rows 4 at a time and the rest one by one: a 3-row append read all of fc
-// three times). Each value keeps vdot's steps (one accumulator, chunks in order, then vsum).
-template <int R>
-inline void dot_tiles(const float* x, const float* w, int64_t o0, int64_t o1, int64_t k,
+// tiles of up to 4 rows x kFcTile outputs share their loads, so fc's weights are read once per
+// 4 rows (vdots takes rows 4 at a time and the rest one by one: a 3-row append read all of fc
+// three times); AVX2's 16 registers hold a 4 x 3 tile's sums and loads, AVX-512's 32 a 4 x 4.
+// Each value keeps vdot's steps (one accumulator, chunks in order, then vsum), whatever the tile.
+#ifdef ADASPARK_AVX512
+constexpr int kFcTile = 4;
+#else
+constexpr int kFcTile = 3;
+#endif
+template <int R, class Wt>
+inline void dot_tiles(const float* x, const Wt* w, int64_t o0, int64_t o1, int64_t k,
                       float* y, int64_t ldy) {
+  constexpr int T = kFcTile;
   int64_t o = o0;
-  for (; o + 4 <= o1; o += 4) {
-    vf acc[R][4];
+  for (; o + T <= o1; o += T) {
+    vf acc[R][T];
     for (auto& row : acc)
       for (vf& v : row) v = vzero();
     for (int64_t c = 0; c < k; c += W) {
-      vf ws[4];
-      for (int j = 0; j < 4; ++j) ws[j] = vload(w + (o + j) * k + c);
+      vf ws[T];
+      for (int j = 0; j < T; ++j) ws[j] = load_weights(w + (o + j) * k + c);
       for (int i = 0; i < R; ++i) {
         const vf xs = vload(x + i * k + c);
-        for (int j = 0; j < 4; ++j) acc[i][j] = vfma(xs, ws[j], acc[i][j]);
+        for (int j = 0; j < T; ++j) acc[i][j] = vfma(xs, ws[j], acc[i][j]);
       }
     }
     for (int i = 0; i < R; ++i)
-      for (int j = 0; j < 4; ++j) y[i * ldy + o + j] = vsum(acc[i][j]);
+      for (int j = 0; j < T; ++j) y[i * ldy + o + j] = vsum(acc[i][j]);
   }
   for (; o < o1; ++o)
-    for (int i = 0; i < R; ++i) y[i * ldy + o] = vdot(x + i * k, w + o * k, k);
+    for (int i = 0; i < R; ++i) {
+      vf acc = vzero();
+      for (int64_t c = 0; c < k; c += W)
+        acc = vfma(vload(x + i * k + c), load_weights(w + o * k + c), acc);
+      y[i * ldy + o] = vsum(acc);
+    }
 }
 
-inline void fc_dots(const float* x, int64_t rows, const float* w, int64_t o0, int64_t o1,
+// Many rows (a prompt's catch-up) go in blocks of kFcRows rows x kFcOutputs outputs, whose
+// rows and weights stay in L2 while their tiles run; a 4-row tile over all of a thread's
+// outputs read its 2 MB of float32 weights from L3 every time. The tiles, and so every value,
+// are the same.
+constexpr int64_t kFcRows = 64, kFcOutputs = 48;  // 48: whole tiles of 3 or 4
+template <class Wt>
+inline void fc_dots(const float* x, int64_t rows, const Wt* w, int64_t o0, int64_t o1,
                     int64_t k, float* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; r += 4) {
-    const float* xr = x + r * k;
-    float* yr = y + r * ldy;
-    switch (std::min<int64_t>(4, rows - r)) {
-      case 4: dot_tiles<4>(xr, w, o0, o1, k, yr, ldy); break;
-      case 3: dot_tiles<3>(xr, w, o0, o1, k, yr, ldy); break;
-      case 2: dot_tiles<2>(xr, w, o0, o1, k, yr, ldy); break;
-      default: dot_tiles<1>(xr, w, o0, o1, k, yr, ldy); break;
+  for (int64_t r0 = 0; r0 < rows; r0 += kFcRows)
+    for (int64_t b0 = o0; b0 < o1; b0 += kFcOutputs) {
+      const int64_t b1 = std::min(b0 + kFcOutputs, o1), r1 = std::min(r0 + kFcRows, rows);
+      for (int64_t r = r0; r < r1; r += 4) {
+        const float* xr = x + r * k;
+        float* yr = y + r * ldy;
+        switch (std::min<int64_t>(4, r1 - r)) {
+          case 4: dot_tiles<4>(xr, w, b0, b1, k, yr, ldy); break;
+          case 3: dot_tiles<3>(xr, w, b0, b1, k, yr, ldy); break;
+          case 2: dot_tiles<2>(xr, w, b0, b1, k, yr, ldy); break;
+          default: dot_tiles<1>(xr, w, b0, b1, k, yr, ldy); break;
+        }
+      }
     }
-  }
 }
 
 // The s best of x[0, n) best first, ties to the lower index: top_indices' answer, by a bound
@@ -182,7 +209,7 @@ inline void ordered_dots(const float* const* a, int64_t rows, const float* e, in
 
 class Drafter {
  public:
-  // cos/sin [positions, head_dim/2]; fc float32 [dim, taps*dim]; head [V_d <- dim]; w1 [V_d+1, r];
+  // cos/sin [positions, head_dim/2]; fc float32 or float16 [dim, taps*dim]; head [V_d <- dim]; w1 [V_d+1, r];
   // w2 [V_d, r]; confidence [dim + r] and its bias; temperature [block].
   Drafter(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
           int64_t block, double eps, torch::Tensor rope_cos, torch::Tensor rope_sin,
@@ -204,6 +231,9 @@ class Drafter {
                 "Markov weights must be w1 [V_d+1, r], w2 [V_d, r]");
     TORCH_CHECK(conf_.numel() == dim_ + w1_.size(1) && temp_.numel() == block_,
                 "confidence [dim + r], temperature [block]");
+    TORCH_CHECK((fc_.scalar_type() == torch::kFloat || fc_.scalar_type() == torch::kHalf) &&
+                    fc_.dim() == 2 && fc_.size(0) == dim_ && fc_.size(1) % W == 0,
+                "fc must be float32 or float16 [dim, taps*dim]");
   }
 
   void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm, QWeight qkv, QWeight kv,
@@ -229,10 +259,13 @@ class Drafter {
     // fc in float32: the target's residual streams have outlier channels that would coarsen
     // an int8 block's step for all its other inputs
     const float* tp = taps.data_ptr<float>();
-    const float* fw = fc_.data_ptr<float>();
     const int64_t k = fc_.size(1);
     at::parallel_for(0, dim_, 16, [&](int64_t o0, int64_t o1) {
-      fc_dots(tp, n, fw, o0, o1, k, feats.data(), dim_);
+      if (fc_.scalar_type() == torch::kHalf)
+        fc_dots(tp, n, reinterpret_cast<const uint16_t*>(fc_.data_ptr<at::Half>()), o0, o1, k,
+                feats.data(), dim_);
+      else
+        fc_dots(tp, n, fc_.data_ptr<float>(), o0, o1, k, feats.data(), dim_);
     });
     clock_.mark(PhaseClock::fc);
     rms_norm_rows(feats.data(), ctx_norm_.data_ptr<float>(), feats.data(), n, dim_, eps_);
@@ -488,7 +521,7 @@ class Drafter {
   int64_t ffn_, block_;
   float eps_;
   torch::Tensor cos_, sin_;
-  torch::Tensor fc_;  // float32 [dim, taps*dim]
+  torch::Tensor fc_;  // float32 or float16 [dim, taps*dim]
   torch::Tensor ctx_norm_, mask_, out_norm_;
   QWeight head_;
   torch::Tensor w1_, w2_, conf_;

@@ -62,8 +62,8 @@ inline vf load_weights(const uint16_t* p) { return vload_h(p); }
 
 // fc's dots, y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1):
 // tiles of up to 4 rows x kFcTile outputs share their loads, so fc's weights are read once per
-// 4 rows (vdots takes rows 4 at a time and the rest one by one: a 3-row append read all of fc
-// three times); AVX2's 16 registers hold a 4 x 3 tile's sums and loads, AVX-512's 32 a 4 x 4.
+// 4 rows (a 3-row append by whole rows read all of fc three times); AVX2's 16 registers hold a
+// 4 x 3 tile's sums and loads, AVX-512's 32 a 4 x 4 (a 4 x 4 spilled on AVX2: 1.5x slower).
 // Each value keeps vdot's steps (one accumulator, chunks in order, then vsum), whatever the tile.
 #ifdef ADASPARK_AVX512
 constexpr int kFcTile = 4;

@@ -13,35 +13,6 @@ inline float vdot(const float* a, const float* b, int64_t n) {
   return vsum(acc);
 }
 
-// y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1), rows of
-// length k: 4 x 4 pairs at a time share their loads, each pair keeping vdot's own steps (one
-// accumulator, chunks in order, then vsum), so every value is bit-identical to vdot's.
-inline void vdots(const float* x, int64_t rows, const float* w, int64_t o0, int64_t o1,
-                  int64_t k, float* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    int64_t o = o0;
-    for (; o + 4 <= o1; o += 4) {
-      vf acc[4][4];
-      for (auto& row : acc)
-        for (vf& v : row) v = vzero();
-      for (int64_t c = 0; c < k; c += W) {
-        vf xs[4], ws[4];
-        for (int i = 0; i < 4; ++i) xs[i] = vload(x + (r + i) * k + c);
-        for (int j = 0; j < 4; ++j) ws[j] = vload(w + (o + j) * k + c);
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) acc[i][j] = vfma(xs[i], ws[j], acc[i][j]);
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) y[(r + i) * ldy + o + j] = vsum(acc[i][j]);
-    }
-    for (; o < o1; ++o)
-      for (int i = 0; i < 4; ++i) y[(r + i) * ldy + o] = vdot(x + (r + i) * k, w + o * k, k);
-  }
-  for (; r < rows; ++r)
-    for (int64_t o = o0; o < o1; ++o) y[r * ldy + o] = vdot(x + r * k, w + o * k, k);
-}
-
 // Index of the largest of x[0, n), the lowest among equal maxima (std::max_element's answer):
 // a vector pass for the value, then the first lane that holds it.
 inline int64_t argmax_first(const float* x, int64_t n) {

@@ -130,6 +130,7 @@ class Decode:
         Transformer.prefill_many): the drafter follows, the last chunk picks the first token."""
         if self.slot.drafter is not None:  # a drafting arm's: its features follow the target's
             self.slot.drafter.observe(out.hiddens)
+            self.slot.drafter.catch_up()  # chunk by chunk, not all in the first draft's step
         self.slot.commit(chunk)
         self._unfilled = self._unfilled[len(chunk):]
         if not self._unfilled:

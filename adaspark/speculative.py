@@ -320,10 +320,12 @@ class Speculator:
             self.drafter.reset()
 
     def after_prefill(self, keep: int, hiddens: dict) -> None:
-        """The target kept `keep` cached tokens and prefilled the rest with these taps."""
+        """The target kept `keep` cached tokens and prefilled the rest with these taps; the
+        drafter's features of them are made now, with the prompt (docs/round.md)."""
         if self.drafter is not None:
             self.drafter.truncate(min(keep, self.drafter.length))
             self.drafter.observe(hiddens)
+            self.drafter.catch_up()
 
     # ----- one reply -----------------------------------------------------------------------
     def decode(self, anchor: int, reply: Any, cache: CachedTokens, capacity: int,
@@ -334,9 +336,10 @@ class Speculator:
         every committed token; timing: the request's, whose round counters and decode time
         this writes; sampler: None is greedy."""
         sched = self.scheduler
-        start = time.perf_counter()
         temperature = sampler.params.temperature if sampler is not None else 0.0
+        # the prompt's n-gram index: prompt work, before the first token (docs/round.md)
         sched.begin_request([*cache.ids, anchor], temperature=temperature)
+        start = time.perf_counter()
         try:
             with cache.guard():
                 done = reply.push(anchor)

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from adaspark.drafter.loading import load_drafter
-from adaspark.engine import Engine
+from adaspark.engine import Engine, Timing
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
 from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.round import Scheduler
+from adaspark.sequence import prefill
 from adaspark.server.worker import EngineWorker, Job, QueueFull
 from adaspark.speculative import RoundDecode, Speculator
 
@@ -619,3 +620,29 @@ def test_a_step_prices_time_at_least_at_the_plain_steps_rate(drafting, monkeypat
         else:  # the batch's own rate (it moves a little with every step's tokens)
             assert all(rate < 1e-5 for _, rate in rates), rates
     spec.plain_floor = True
+
+
+def test_a_prompt_s_drafter_features_are_made_with_its_prefill(drafting):
+    """Prompt work happens before the first token: each prefill chunk's features go into the
+    slot's drafter in that chunk's own step (a long prompt's first draft used to append them
+    all, in a step every running request waits for), and Speculator.decode's prefill makes
+    them too, so the first draft appends nothing but the rounds' rows (docs/round.md)."""
+    engine = drafting
+    prompt = engine.tokenizer.encode_chat(PROMPTS[0])
+    engine.reset()
+    engine.batch.prefill_chunk = 8
+    seq = engine.new_decode(prompt, max_tokens=4)
+    assert engine.batch.add(seq)  # its first chunk at once, the rest a chunk a step
+    made = []
+    while seq._unfilled:
+        drafter = seq.slot.drafter
+        assert drafter._pending_len == 0 and drafter._cache.length == seq.slot.kv.length
+        made.append(drafter._cache.length)
+        engine.batch.step()
+    assert made == list(range(8, 8 * len(made) + 1, 8)) and len(made) >= 2
+    while engine.batch.running:
+        engine.batch.step()
+    engine.reset()
+    prefill(engine.target, engine.cache, prompt, Timing(), None, engine.speculator)
+    drafter = engine.speculator.drafter
+    assert drafter._pending_len == 0 and drafter._cache.length == len(prompt)

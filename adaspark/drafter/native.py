@@ -4,8 +4,9 @@ features in an fp16 cache, a whole draft in one call.
 The checkpoint's float32 matrices become Q8_0 (ggml's 8-bit blocks), so the backbone runs on
 the target's integer kernels; fc (it reads the target's residual streams, whose outlier channels
 would coarsen int8 blocks), norms, the mask vector and the Markov and confidence heads stay
-float32 arithmetic (fc's weights stored as fp16 where each is one: the same values). At seven rows every matmul is bound by reading its weights, so 8 bits read half of
-bf16's bytes, and one call replaces some sixty torch ops.
+float32 arithmetic (fc's weights stored as fp16 where each is one: the same values). At seven
+rows every matmul is bound by reading its weights, so 8 bits read half of bf16's bytes, and one
+call replaces some sixty torch ops.
 """
 
 from __future__ import annotations

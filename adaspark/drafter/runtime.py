@@ -153,11 +153,16 @@ class Drafter:
     @property
     def cache(self) -> DrafterCache:
         """The feature cache, every observed token in it."""
+        self.catch_up()
+        return self._cache
+
+    def catch_up(self) -> None:
+        """Append the observed tokens' features now (a prompt's, with its prefill: otherwise
+        the first draft after it appends them all)."""
         if self._pending:
             taps = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
             self._pending, self._pending_len = [], 0
             self._cache.append(taps)
-        return self._cache
 
     @property
     def length(self) -> int:

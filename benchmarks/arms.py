@@ -144,6 +144,26 @@ def by_width(records: list[dict]) -> list[dict]:
     return sorted(out, key=lambda w: (-w["rounds"], w["rows"]))
 
 
+def by_kind(records: list[dict]) -> list[dict]:
+    """Rounds grouped by kind (round-log records: plain, drafted, accepted, D, verify,
+    commit): each kind's share of the rounds and of their time, committed tokens per round
+    and the round time per committed token in ms (what a kind costs a token, to set against
+    `ar`'s decode ms per token; the time outside rounds, mostly learning, is not in it)."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        kind = "plain" if r["plain"] else ("drafted" if r["drafted"] else "ngram")
+        groups.setdefault(kind, []).append(r)
+    seconds = {k: sum(r["D"] + r["verify"] + r["commit"] for r in g) for k, g in groups.items()}
+    total = sum(seconds.values()) or 1.0
+    out = []
+    for kind, g in groups.items():
+        tokens = sum(r["accepted"] + 1 for r in g)
+        out.append({"kind": kind, "rounds": len(g) / len(records),
+                    "time": seconds[kind] / total, "tokens_per_round": tokens / len(g),
+                    "ms_per_token": 1000 * seconds[kind] / tokens})
+    return sorted(out, key=lambda k: -k["rounds"])
+
+
 def parse_arms(spec: str, default_drafter: str | None) -> dict[str, tuple[str, str | None]]:
     """label -> (arm, drafter dir) for "adaspark+gate,chain3@DIR": '+' joins modifiers, and
     '@DIR' gives one arm its own drafter (labelled by the folder's name), so that two drafters
@@ -236,10 +256,21 @@ def main(argv=None) -> int:
         for w in table[:6]:
             print(f"| {arm} | {w['rows']} | {w['rounds']:.1%} | {w['time']:.1%} | "
                   f"{w['accepted']:.2f} | {w['D_ms']:.2f} | {w['verify_ms']:.2f} |")
+    base_ms = 1000 / mean[base] if mean[base] else 0.0
+    print(f"\nRounds by kind (ms per token: the kind's round time over its committed tokens; "
+          f"{base}: {base_ms:.2f} ms a token, everything counted):\n")
+    print("| arm | kind | share of rounds | share of round time | tokens/round | ms per token |")
+    print("|---|---|---|---|---|---|")
+    kinds = {arm: by_kind(rows) for arm, rows in records.items() if rows}
+    for arm, table in kinds.items():
+        for k in table:
+            print(f"| {arm} | {k['kind']} | {k['rounds']:.1%} | {k['time']:.1%} | "
+                  f"{k['tokens_per_round']:.2f} | {k['ms_per_token']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
                                                "accepted_by_drafted_round": depths,
-                                               "rounds_by_width": widths}) + "\n")
+                                               "rounds_by_width": widths,
+                                               "rounds_by_kind": kinds}) + "\n")
     return 0
 
 

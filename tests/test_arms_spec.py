@@ -40,6 +40,24 @@ def test_rounds_group_by_rows_verified():
     assert two["D_ms"] == pytest.approx(2.0) and two["verify_ms"] == pytest.approx(7.0)
 
 
+def test_rounds_group_by_kind_with_their_time_per_committed_token():
+    records = [{"plain": True, "drafted": False, "accepted": 0, "D": 0.0, "verify": 0.003,
+                "commit": 0.0},
+               {"plain": True, "drafted": False, "accepted": 0, "D": 0.0, "verify": 0.004,
+                "commit": 0.0},
+               {"plain": False, "drafted": True, "accepted": 1, "D": 0.001, "verify": 0.004,
+                "commit": 0.001},
+               {"plain": False, "drafted": False, "accepted": 3, "D": 0.0, "verify": 0.006,
+                "commit": 0.0}]
+    plain, *rest = arms.by_kind(records)  # the commonest kind first
+    kinds = {k["kind"]: k for k in rest}
+    assert plain["kind"] == "plain" and plain["rounds"] == pytest.approx(0.5)
+    assert plain["ms_per_token"] == pytest.approx(3.5) and plain["time"] == pytest.approx(7 / 19)
+    assert kinds["drafted"]["tokens_per_round"] == 2 and kinds["drafted"]["ms_per_token"] == (
+        pytest.approx(3.0))
+    assert kinds["ngram"]["ms_per_token"] == pytest.approx(1.5)
+
+
 def _reply(conv: str, tokens: int, seconds: float) -> dict:
     return {"conversation": conv, "decode_tokens": tokens, "decode_s": seconds,
             "draft_rounds": 0, "plain_rounds": tokens, "ngram_rounds": 0, "verified_rows": tokens}

@@ -47,6 +47,7 @@ from adaspark.model.transformer import Transformer
 from adaspark.options import ModelOptions
 from adaspark.sampling import SamplingParams, derived_seed
 from adaspark.scheduler.arm import Arm
+from adaspark.scheduler.record import kind_of
 from adaspark.speculative import load_speculator
 
 CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
@@ -151,8 +152,7 @@ def by_kind(records: list[dict]) -> list[dict]:
     `ar`'s decode ms per token; the time outside rounds, mostly learning, is not in it)."""
     groups: dict[str, list[dict]] = {}
     for r in records:
-        kind = "plain" if r["plain"] else ("drafted" if r["drafted"] else "ngram")
-        groups.setdefault(kind, []).append(r)
+        groups.setdefault(kind_of(r["plain"], r["drafted"]), []).append(r)
     seconds = {k: sum(r["D"] + r["verify"] + r["commit"] for r in g) for k, g in groups.items()}
     total = sum(seconds.values()) or 1.0
     out = []

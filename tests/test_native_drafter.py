@@ -96,10 +96,10 @@ def test_appending_token_by_token_equals_one_batch(module, shipped, fast_model):
     assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.head, b.head)
 
 
-def test_fc_reads_fp16_weights_only_where_each_weight_is_one():
+def test_fc_reads_fp16_weights_only_where_each_weight_is_one(module):
     exact = torch.tensor([[1.0, -0.5, 2.0**-20, 65504.0]])
-    assert fc_weights(exact).dtype == torch.float16
-    assert fc_weights(exact + 1e-4).dtype == torch.float32  # 1.0001 is no fp16 number
+    assert fc_weights(module, exact).dtype == torch.float16
+    assert fc_weights(module, exact + 1e-4).dtype == torch.float32  # 1.0001 is no fp16 number
 
 
 def test_fp16_fc_weights_append_the_float32_ones_bits(module, shipped, fast_model, monkeypatch):
@@ -107,9 +107,10 @@ def test_fp16_fc_weights_append_the_float32_ones_bits(module, shipped, fast_mode
     reads) it gives the float32 copy's features bit for bit, over 100 rows (a block of 64 and
     the rest) and one at a time."""
     model, taps, tokens = shipped
-    assert fc_weights(model.fc.weight).dtype == torch.float16
+    assert fc_weights(module, model.fc.weight).dtype == torch.float16
     half = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
-    monkeypatch.setattr(native_module, "fc_weights", lambda w: w.detach().float().contiguous())
+    monkeypatch.setattr(native_module, "fc_weights",
+                        lambda _module, w: w.detach().float().contiguous())
     full = Drafter(model, fast_model.embed, native=module, positions=POSITIONS)
     half.cache.append(taps)
     full.cache.append(taps)

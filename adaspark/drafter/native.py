@@ -25,13 +25,14 @@ def _q8(module: ModuleType, *weights: torch.Tensor):
     return pack_blocks(module, [quantize_q8_0(w) for w in weights])
 
 
-def fc_weights(weight: torch.Tensor) -> torch.Tensor:
+def fc_weights(module: ModuleType, weight: torch.Tensor) -> torch.Tensor:
     """fc's weights for the native append: fp16 where every weight is exactly one (the shipped
-    checkpoint's are: it reads half the bytes and computes the same float32 values), else
-    float32."""
+    checkpoint's are: it reads half the bytes and computes the same float32 values) and the
+    build takes them (FC_HALF; benchmarks/native_ab.py loads older builds), else float32."""
     w = weight.detach().float().contiguous()
     half = w.half()
-    return half if torch.equal(half.float(), w) else w
+    exact = getattr(module, "FC_HALF", False) and torch.equal(half.float(), w)
+    return half if exact else w
 
 
 def native_drafter(module: ModuleType, model: DraftModel, positions: int):
@@ -41,8 +42,7 @@ def native_drafter(module: ModuleType, model: DraftModel, positions: int):
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
     out = module.Drafter(
         c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.block_size, c.norm_eps, cos, sin,
-        fc_weights(model.fc.weight) if getattr(module, "FC_HALF", False) else f32(model.fc.weight),
-        f32(model.ctx_norm.weight), f32(model.mask_embedding),
+        fc_weights(module, model.fc.weight), f32(model.ctx_norm.weight), f32(model.mask_embedding),
         f32(model.norm.weight), _q8(module, model.head), f32(model.markov_w1.weight),
         f32(model.markov_w2.weight), f32(model.confidence.weight).flatten(),
         float(model.confidence.bias.detach()), f32(model.temperature))

@@ -45,6 +45,13 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 
 
+def kind_of(plain: bool, drafted: bool) -> str:
+    """RoundRecord.kind from a record's two flags (its round-log line's too)."""
+    if plain:
+        return "plain"
+    return "drafted" if drafted else "ngram"
+
+
 class ChosenBy(str, Enum):
     """Who set a round's width. A str, so it compares and serialises as its value."""
 
@@ -114,9 +121,7 @@ class RoundRecord:
     @property
     def kind(self) -> str:
         """drafted (the drafter ran), ngram (the gate's n-gram tree alone) or plain (one row)."""
-        if self.plain:
-            return "plain"
-        return "drafted" if self.drafted else "ngram"
+        return kind_of(self.plain, self.drafted)
 
     def to_json(self) -> dict:
         """The round-log line: every field, plus `cold` and `plain`; row splits only for trees.

@@ -55,11 +55,6 @@ struct DraftLayer {
   QWeight qkv, kv, o, gate_up, down;  // kv: the k|v rows of qkv alone, for context features
 };
 
-// fc's weights as stored: float32, or fp16 where every weight is one (the shipped checkpoint's
-// are), which halves what each append reads; both load as the same float32 values.
-inline vf load_weights(const float* p) { return vload(p); }
-inline vf load_weights(const uint16_t* p) { return vload_h(p); }
-
 // fc's dots, y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1):
 // tiles of up to 4 rows x kFcTile outputs share their loads, so fc's weights are read once per
 // 4 rows (a 3-row append by whole rows read all of fc three times); AVX2's 16 registers hold a
@@ -91,12 +86,7 @@ inline void dot_tiles(const float* x, const Wt* w, int64_t o0, int64_t o1, int64
       for (int j = 0; j < T; ++j) y[i * ldy + o + j] = vsum(acc[i][j]);
   }
   for (; o < o1; ++o)
-    for (int i = 0; i < R; ++i) {
-      vf acc = vzero();
-      for (int64_t c = 0; c < k; c += W)
-        acc = vfma(vload(x + i * k + c), load_weights(w + o * k + c), acc);
-      y[i * ldy + o] = vsum(acc);
-    }
+    for (int i = 0; i < R; ++i) y[i * ldy + o] = vdot(x + i * k, w + o * k, k);
 }
 
 // Many rows (a prompt's catch-up) go in blocks of kFcRows rows x kFcOutputs outputs, whose
@@ -209,8 +199,8 @@ inline void ordered_dots(const float* const* a, int64_t rows, const float* e, in
 
 class Drafter {
  public:
-  // cos/sin [positions, head_dim/2]; fc float32 or float16 [dim, taps*dim]; head [V_d <- dim]; w1 [V_d+1, r];
-  // w2 [V_d, r]; confidence [dim + r] and its bias; temperature [block].
+  // cos/sin [positions, head_dim/2]; fc float32 or float16 [dim, taps*dim]; head [V_d <- dim];
+  // w1 [V_d+1, r]; w2 [V_d, r]; confidence [dim + r] and its bias; temperature [block].
   Drafter(int64_t dim, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t ffn,
           int64_t block, double eps, torch::Tensor rope_cos, torch::Tensor rope_sin,
           torch::Tensor fc, torch::Tensor ctx_norm, torch::Tensor mask_embedding,
@@ -256,17 +246,19 @@ class Drafter {
     taps = taps.contiguous();
     const int64_t kvw = hs_.kv_heads * hs_.hd, half = hs_.hd / 2;
     std::vector<float> feats(n * dim_), kv(n * 2 * kvw);
-    // fc in float32: the target's residual streams have outlier channels that would coarsen
-    // an int8 block's step for all its other inputs
+    // fc's arithmetic in float32: the target's residual streams have outlier channels that
+    // would coarsen an int8 block's step for all its other inputs
     const float* tp = taps.data_ptr<float>();
     const int64_t k = fc_.size(1);
-    at::parallel_for(0, dim_, 16, [&](int64_t o0, int64_t o1) {
-      if (fc_.scalar_type() == torch::kHalf)
-        fc_dots(tp, n, reinterpret_cast<const uint16_t*>(fc_.data_ptr<at::Half>()), o0, o1, k,
-                feats.data(), dim_);
-      else
-        fc_dots(tp, n, fc_.data_ptr<float>(), o0, o1, k, feats.data(), dim_);
-    });
+    auto fc_over = [&](const auto* fw) {
+      at::parallel_for(0, dim_, 16, [&](int64_t o0, int64_t o1) {
+        fc_dots(tp, n, fw, o0, o1, k, feats.data(), dim_);
+      });
+    };
+    if (fc_.scalar_type() == torch::kHalf)
+      fc_over(reinterpret_cast<const uint16_t*>(fc_.data_ptr<at::Half>()));
+    else
+      fc_over(fc_.data_ptr<float>());
     clock_.mark(PhaseClock::fc);
     rms_norm_rows(feats.data(), ctx_norm_.data_ptr<float>(), feats.data(), n, dim_, eps_);
     quantize_rows(feats.data(), n, dim_, act_);

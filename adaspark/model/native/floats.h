@@ -6,10 +6,16 @@
 
 namespace adaspark {
 
-// Dot of two float vectors of length n (a multiple of W), one fixed order.
-inline float vdot(const float* a, const float* b, int64_t n) {
+// Weights as stored: float32, or fp16 where every weight is one (the drafter's fc: half the
+// bytes read); both load as the same float32 values.
+inline vf load_weights(const float* p) { return vload(p); }
+inline vf load_weights(const uint16_t* p) { return vload_h(p); }
+
+// Dot of a float vector and a row of weights of length n (a multiple of W), one fixed order.
+template <class Wt>
+inline float vdot(const float* a, const Wt* b, int64_t n) {
   vf acc = vzero();
-  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+  for (int64_t i = 0; i < n; i += W) acc = vfma(vload(a + i), load_weights(b + i), acc);
   return vsum(acc);
 }
 

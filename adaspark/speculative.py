@@ -250,15 +250,19 @@ class RoundDecode(Decode):
             self.slot.drafter.observe(hiddens, rows=None if plan.rows == 1 else rows)
         commit_s = time.perf_counter() - commit
         self.slot.commit(plan.tokens[rows])
-        if self.step is not None and not self.first_round:  # priced beside others
-            self.spec.learn_plan_time(self._drafted, self._plan_s)
-        self.step_tokens, self.step_s = len(emitted), self._plan_s + time.perf_counter() - walk
         alone = step is None or step.sequences == 1
         verify_s = (0.0 if step is None else step.verify_s) + walk - start
+        learn = time.perf_counter()
         record = sched.learn(outcome, RoundTimes(self._plan_s, verify_s, walk_s + commit_s),
                              last_round=done, request=self.request, cost=alone)
         self.spec.report(record, RoundTrace(plan, picks, outcome, list(rows), emitted),
                          self.timing, self.request_id)
+        end = time.perf_counter()
+        if self.step is not None and not self.first_round:  # priced beside others
+            # what a draft adds to the step: its plan and its learn (a tree's learning costs
+            # several times a plain round's), both the host's time every request waits for
+            self.spec.learn_plan_time(self._drafted, self._plan_s + end - learn)
+        self.step_tokens, self.step_s = len(emitted), self._plan_s + end - walk
         if done:
             self._stop()
 
@@ -420,9 +424,10 @@ class Speculator:
         return StepPrice.table(rows, prices, rate, draft_ms)
 
     def learn_plan_time(self, drafted: bool, plan_s: float) -> None:
-        """A round's plan beside others (its D, the draft call's included where it drafted):
-        the decayed mean of each kind, whose difference is what a draft adds to a step
-        under the load now (StepPrice.draft_ms; the cost model's D is its quiet quantile)."""
+        """A round's host time beside others: its plan (its D, the draft call's included where
+        it drafted) and its learn; the decayed mean of each kind, whose difference is what a
+        draft adds to a step under the load now (StepPrice.draft_ms; the cost model's D is
+        its quiet quantile)."""
         ms, mean = 1000.0 * plan_s, self.plan_ms[int(drafted)]
         self.plan_ms[int(drafted)] = ms if mean is None else (
             PLAN_DECAY * mean + (1.0 - PLAN_DECAY) * ms)

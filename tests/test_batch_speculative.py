@@ -13,6 +13,8 @@ import contextlib
 import json
 import threading
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -539,6 +541,27 @@ def test_beside_others_a_round_drafts_only_where_the_step_price_pays(drafting, m
     # the batch measured what a draft adds to a plan beside others (the next steps' draft_ms)
     undrafted_ms, drafted_ms = drafting.speculator.plan_ms
     assert undrafted_ms is not None and drafted_ms is not None and drafted_ms > undrafted_ms
+
+
+def test_a_rounds_host_time_beside_others_counts_its_learn(drafting, monkeypatch):
+    """What a draft adds to a step is its host time, the learn of its tree included (a tree's
+    learn costs several times a plain round's): Speculator.plan_ms counts plan and learn.
+    With every learn made 30 ms slower, each kind's host time measured is at least that."""
+    sched = drafting.speculator.scheduler
+    learn = sched.learn
+
+    def slow(*args, **kwargs):
+        time.sleep(0.03)
+        return learn(*args, **kwargs)
+
+    monkeypatch.setattr(sched, "learn", slow)
+    monkeypatch.setattr(sched, "step_prices",  # every step priced, rows free
+                        lambda rows, most, context: np.full(most + 1, 30.0))
+    drafting.speculator.plan_ms = [None, None]
+    drafting.speculator.step_rate = held_rate(1e-9, 1.0)  # rows free: drafts beside others
+    together(drafting, [{"messages": p, "max_tokens": 12} for p in PROMPTS[:3]])
+    measured = [ms for ms in drafting.speculator.plan_ms if ms is not None]
+    assert measured and min(measured) >= 30.0
 
 
 def test_a_request_ending_beside_others_leaves_the_store_to_the_last_one(drafting, tmp_path,

@@ -503,3 +503,31 @@ def test_the_ngram_tree_at_the_anchor_is_a_fresh_tree_each_round():
             if isinstance(value, np.ndarray):
                 assert np.array_equal(getattr(got, name), value), name
         assert got._pending == ([], [], [], [], [])
+
+
+@pytest.mark.parametrize("arm", ["adaspark", "adaspark,gate"])
+def test_beside_others_a_round_never_probes_a_width_it_could_not_measure(arm):
+    """A probe measures a width's price, and a verify shared with other requests' rows is not
+    that price (learn_shared_verify teaches only a call of exactly a class's top rows): beside
+    others a round picks among the measured widths. Alone the same round probes the
+    unmeasured 8-row class (the paper's ladder; the paced arm because its optimistic price
+    pays for this tree of seven sure picks)."""
+    from adaspark.scheduler.budget import StepPrice
+    from adaspark.scheduler.cost import MEASUREMENTS
+
+    block = make_block([11, 12, 13, 14, 15, 16, 17], K=3, head=0.97)
+    chosen = {}
+    for beside in (False, True):
+        sched = Scheduler(Arm.parse(arm))
+        for _ in range(MEASUREMENTS):  # the plain step and the 2- and 4-row classes
+            sched.plain_law.learn(600, 4.0)
+            for top, ms in ((2, 4.2), (4, 4.6)):
+                sched.cost.observe(top, top, 600, ms, 0.5)
+        assert sched.cost.probe() == 8
+        state = sched.begin_request(PROMPT)
+        state.rounds = 1  # past its first round (which runs cold)
+        step = StepPrice(3, lambda rows: 4.0 + 0.3 * rows, 0.2) if beside else None
+        plan = sched.plan_round(600, lambda: block, request=state, step=step)
+        chosen[beside] = (plan.chosen_by, plan.rows)
+    assert chosen[False] == ("probe", 8)
+    assert chosen[True][0] == "chooser" and chosen[True][1] <= 4

@@ -211,9 +211,9 @@ class Scheduler:
             # node 0 is the first proposal after the anchor (chains() starts there)
             bucket = evidence_of_bucket(int(tree.bucket[0])) if tree.n_nodes else NO_PROPOSAL
             drafts = (self.gate.choose(bucket)
-                      and (not self.arm.paced or self._can_verify_a_draft(ctx))
+                      and (not self.arm.paced or self._can_verify_a_draft(ctx, step))
                       and self._draft_pays_in(step, bucket, tree, ctx))
-            plan = (self._drafted(draft(), ctx, stop_ids) if drafts
+            plan = (self._drafted(draft(), ctx, stop_ids, step) if drafts
                     else self._undrafted(tree, ctx, step))
         elif self._plain_pays(ctx):
             plan = self._plain(ctx)
@@ -221,7 +221,7 @@ class Scheduler:
                 step, None, tree := self._ngram_tree(stop_ids), ctx):
             plan = self._undrafted(tree, ctx, step)
         else:
-            plan = self._drafted(draft(), ctx, stop_ids)
+            plan = self._drafted(draft(), ctx, stop_ids, step)
         if plan.drafted and plan._ranking is not None:  # the tree a draft makes, per bucket
             ranking = plan._ranking
             self.gate.learn_tree(bucket, ranking.Q[ranking.order[: ranking.n_useful]])
@@ -322,9 +322,10 @@ class Scheduler:
             draft_ms = (self.cost.fixed_cost(ctx) or 0.0) - (self.gate.fixed_ms or 0.0)
         return draft_pays(curve, undrafted, draft_ms, step)
 
-    def _can_verify_a_draft(self, ctx: int) -> bool:
-        """Paced: a width is measured, or the budget still allows the narrowest probe."""
-        return bool(self.cost.offers(ctx)) or self._probe_budget_left()
+    def _can_verify_a_draft(self, ctx: int, step: StepPrice | None = None) -> bool:
+        """Paced: a width is measured, or (alone: beside others a probe measures nothing,
+        _width) the budget still allows the narrowest probe."""
+        return bool(self.cost.offers(ctx)) or (step is None and self._probe_budget_left())
 
     def _probe_budget_left(self) -> bool:
         return self.request.probe_loss_ms <= PROBE_BUDGET * self.request.decode_ms
@@ -501,8 +502,10 @@ class Scheduler:
         return self._undrafted_plan(tree, scored, ranking, width, ctx, ChosenBy.UNDRAFTED,
                                     [w for w, _ in offers], price_ms)
 
-    def _drafted(self, block: Block, ctx: int, stop_ids: Sequence[int]) -> Plan:
-        """Lines 3-12 on the drafter's block: candidates, q, best-first order, width, rows."""
+    def _drafted(self, block: Block, ctx: int, stop_ids: Sequence[int],
+                 step: StepPrice | None = None) -> Plan:
+        """Lines 3-12 on the drafter's block: candidates, q, best-first order, width, rows.
+        step: the batch's step beside others (None: alone), where no width is probed (_width)."""
         t = self._start()
         tree = CandidateTree.from_block(block, self.request.anchor, stop_ids)
         t = self._lap("candidates", t)
@@ -521,7 +524,8 @@ class Scheduler:
             kept = self._chain(tree, self.arm.chain)
             width, chosen_by = kept.size + 1, ChosenBy.CHAIN
         else:
-            width, chosen_by, offered, price_ms, widened = self._width(ranking, ctx)
+            width, chosen_by, offered, price_ms, widened = self._width(ranking, ctx,
+                                                                       step is not None)
             kept = ranking.order[: min(width - 1, ranking.n_useful)]
         t = self._lap("width", t)
         explored = False
@@ -542,15 +546,20 @@ class Scheduler:
             tree=tree, layout=lay, _scored=scored, _ranking=ranking,
         )
 
-    def _width(self, ranking: Ranking, ctx: int
+    def _width(self, ranking: Ranking, ctx: int, beside: bool = False
                ) -> tuple[int, ChosenBy, list[int], float | None, bool]:
-        """(width, chosen_by, offered widths, price ms, whether the n-gram widened it)."""
+        """(width, chosen_by, offered widths, price ms, whether the n-gram widened it).
+        beside: the round shares its verify call with other requests' rows, whose time is not
+        this width's price (learn_shared_verify teaches a class only from a call of exactly
+        its top rows), so a probe would measure nothing: it picks among the measured widths
+        (a probe only where none is measured: the paper's ladder has nothing else to offer)."""
         if self.arm.pinned is not None:
             return self.arm.pinned, ChosenBy.PINNED, [], None, False
         probe = self.cost.probe()
-        if probe is not None and (not self.arm.paced or self._probe_pays(probe, ranking, ctx)):
-            return probe, ChosenBy.PROBE, [], None, False
         offers = self.cost.offers(ctx)
+        if probe is not None and not (beside and offers) and (
+                not self.arm.paced or self._probe_pays(probe, ranking, ctx)):
+            return probe, ChosenBy.PROBE, [], None, False
         s_drafter, s_ngram = ranking.S_drafter.tolist(), ranking.S_ngram.tolist()
         fixed_ms = self.cost.fixed_cost(ctx)
         alone = None

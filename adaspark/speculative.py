@@ -412,16 +412,17 @@ class Speculator:
         rate = self.step_rate.rate
         if len(seqs) < 2 or rate is None:
             return None
-        ctx = float(np.mean([len(seq.slot) + 1 for seq in seqs]))
-        rows = len(seqs)
-        prices = self.scheduler.step_prices(rows, rows * MAX_WIDTH, ctx)
-        if not math.isfinite(prices[rows]):
+        ctx = sum(len(seq.slot) + 1 for seq in seqs) / len(seqs)  # exact: integer lengths
+        rows, sched = len(seqs), self.scheduler
+        plain_ms = sched.step_price(rows, ctx)  # the step_prices() entry of its plain rows
+        if not math.isfinite(plain_ms):
             return None
-        if self.plain_floor and prices[rows] > 0.0:
-            rate = max(rate, rows / prices[rows])
+        if self.plain_floor and plain_ms > 0.0:
+            rate = max(rate, rows / plain_ms)
         drafted, undrafted = self.plan_ms
         draft_ms = None if drafted is None or undrafted is None else drafted - undrafted
-        return StepPrice.table(rows, prices, rate, draft_ms)
+        return StepPrice.lazy(rows, lambda: sched.step_prices(rows, rows * MAX_WIDTH, ctx),
+                              rate, draft_ms)
 
     def learn_plan_time(self, drafted: bool, plan_s: float) -> None:
         """A round's host time beside others: its plan (its D, the draft call's included where

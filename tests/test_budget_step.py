@@ -135,3 +135,21 @@ def test_a_steps_value_of_a_curve_is_read_once_and_by_its_content():
     cheaper = dataclasses.replace(step, rate=0.0)
     assert cheaper.value(curve) == StepPrice.table(2, prices, 0.0).value(curve) != step.value(
         curve)
+
+
+def test_a_lazy_step_makes_its_table_once_and_only_when_read():
+    """Under load most steps' requests all plan their plain row: the step's price table is made
+    at its first read, once, and prices as table() does."""
+    made = []
+    prices = np.array([np.inf, 4.0, 4.5, 5.0, 5.0, np.inf, np.inf, np.inf, 6.0, np.inf])
+
+    def make():
+        made.append(1)
+        return prices
+
+    step = StepPrice.lazy(4, make, 0.5, draft_ms=1.0)
+    assert step.value([]) == 0.0 and not made  # no candidate: nothing to price
+    curve = [0.0, 0.9, 1.8, 2.7, 3.6]
+    assert step.value(curve) == StepPrice.table(4, prices, 0.5).value(curve) == pytest.approx(3.1)
+    assert step.step_ms(8) == 6.0 and math.isinf(step.step_ms(5)) and step.draft_ms == 1.0
+    assert made == [1] and np.array_equal(step.prices, prices)

@@ -19,6 +19,8 @@ API (stable; numpy only):
         total row count (prices[t]: t rows; inf where a call may not go, past the end too),
         read once a step so that the draft decision and the budget cost no cost-model
         evaluations; draft_ms: what a draft adds to a plan beside others, as measured
+    StepPrice.lazy(rows, make, rate, draft_ms=None)   table() of make()'s prices, made at the
+        step's first read of them (most steps under load never read them)
     draft_pays(s_drafted, s_undrafted, draft_ms, step) -> bool
         s_*[k]: the expected accepted candidates of a tree's first k candidates best-first
         (index 0 is 0.0); draft_ms: what drafting adds to the request's D. True when the
@@ -106,10 +108,12 @@ class StepPrice:
     rows: int
     step_ms: Callable[[int], float]
     rate: float
-    prices: np.ndarray | None = None  # table(): the price by total rows that step_ms reads
     # what drafting adds to a request's plan beside others as the batch measured it (ms; None:
     # not measured, the cost model's D prices it)
     draft_ms: float | None = None
+    # table()/lazy(): what makes the price by total rows that step_ms reads, and it once made
+    _make: Callable[[], np.ndarray] | None = field(default=None, compare=False, repr=False)
+    _made: list = field(default_factory=list, init=False, compare=False, repr=False)
     # value() by curve, within this step: its requests read the same curves (a bucket's
     # drafted one, the empty tree's) and the step's price does not change
     _values: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -118,11 +122,31 @@ class StepPrice:
     def table(cls, rows: int, prices: np.ndarray, rate: float,
               draft_ms: float | None = None) -> StepPrice:
         prices = np.asarray(prices, dtype=np.float64)
+        return cls.lazy(rows, lambda: prices, rate, draft_ms)
+
+    @classmethod
+    def lazy(cls, rows: int, make: Callable[[], np.ndarray], rate: float,
+             draft_ms: float | None = None) -> StepPrice:
+        """table() of make()'s prices, made when the step first reads them: under load most
+        steps' requests all plan their plain row and never do."""
+        held: list[StepPrice] = []
 
         def step_ms(total: int) -> float:
+            prices = held[0].prices
             return float(prices[total]) if 0 <= total < prices.size else np.inf
 
-        return cls(rows, step_ms, rate, prices, draft_ms)
+        held.append(cls(rows, step_ms, rate, draft_ms, make))
+        return held[0]
+
+    @property
+    def prices(self) -> np.ndarray | None:
+        """The price by total rows (prices[t]: t rows; inf where a call may not go), or None
+        where step_ms is a plain callable."""
+        if self._make is None:
+            return None
+        if not self._made:
+            self._made.append(np.asarray(self._make(), dtype=np.float64))
+        return self._made[0]
 
     def value(self, s: Sequence[float]) -> float:
         """The best prefix of a tree added to the step: max over k of S(k) - rate * (the
@@ -137,9 +161,10 @@ class StepPrice:
         return value
 
     def _value(self, s: np.ndarray) -> float:
-        if self.prices is not None:  # one slice of the table
+        prices = self.prices
+        if prices is not None:  # one slice of the table
             extra = np.full(s.size, np.inf)
-            part = self.prices[self.rows:self.rows + s.size]
+            part = prices[self.rows:self.rows + s.size]
             extra[:part.size] = part
         else:
             extra = np.array([self.step_ms(self.rows + k) for k in range(s.size)])

@@ -306,7 +306,7 @@ class Speculator:
         self.step_rate = BandRate()
         self.plain_floor = True  # step_price's rate at least the plain step's (False: the paper's)
         self.running = 0  # the batch's requests that began and have not ended
-        # beside others: the decayed mean plan ms of undrafted and of drafted rounds
+        # beside others: the decayed mean host ms a round (plan and learn), [undrafted, drafted]
         self.plan_ms: list[float | None] = [None, None]
         self._saved_at = time.monotonic()  # when the store was last saved (or made)
 
@@ -419,7 +419,7 @@ class Speculator:
             return None
         if self.plain_floor and plain_ms > 0.0:
             rate = max(rate, rows / plain_ms)
-        drafted, undrafted = self.plan_ms
+        undrafted, drafted = self.plan_ms  # [undrafted, drafted]: learn_plan_time
         draft_ms = None if drafted is None or undrafted is None else drafted - undrafted
         return StepPrice.lazy(rows, lambda: sched.step_prices(rows, rows * MAX_WIDTH, ctx),
                               rate, draft_ms)

@@ -565,6 +565,22 @@ def test_a_rounds_host_time_beside_others_counts_its_learn(drafting, monkeypatch
     assert measured and min(measured) >= 30.0
 
 
+def test_a_step_prices_a_draft_at_what_drafting_adds(drafting, monkeypatch):
+    """StepPrice.draft_ms is the drafted rounds' host time less the undrafted ones' (plan_ms
+    is [undrafted, drafted]): a draft costs its time beside others, never a negative one
+    (which made every draft look free once one had been measured)."""
+    spec, sched = drafting.speculator, drafting.speculator.scheduler
+    monkeypatch.setattr(sched, "step_price", lambda rows, context: 8.0 * rows)
+    spec.step_rate = held_rate(1.0, 8.0)
+    spec.plan_ms = [0.1, 2.5]
+
+    class Seq:  # what step_price reads of a request: its slot's length
+        slot = [0] * 100
+
+    step = spec.step_price([Seq(), Seq()])
+    assert step.draft_ms == pytest.approx(2.4)
+
+
 def test_a_request_ending_beside_others_leaves_the_store_to_the_last_one(drafting, tmp_path,
                                                                          monkeypatch):
     """The learned store's save (an fsync) and the cost laws' refit stall every running

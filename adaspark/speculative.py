@@ -252,7 +252,7 @@ class RoundDecode(Decode):
         self.slot.commit(plan.tokens[rows])
         alone = step is None or step.sequences == 1
         verify_s = (0.0 if step is None else step.verify_s) + walk - start
-        learn = time.perf_counter()
+        learn_start = time.perf_counter()
         record = sched.learn(outcome, RoundTimes(self._plan_s, verify_s, walk_s + commit_s),
                              last_round=done, request=self.request, cost=alone)
         self.spec.report(record, RoundTrace(plan, picks, outcome, list(rows), emitted),
@@ -261,7 +261,7 @@ class RoundDecode(Decode):
         if self.step is not None and not self.first_round:  # priced beside others
             # what a draft adds to the step: its plan and its learn (a tree's learning costs
             # several times a plain round's), both the host's time every request waits for
-            self.spec.learn_plan_time(self._drafted, self._plan_s + end - learn)
+            self.spec.learn_plan_time(self._drafted, self._plan_s + end - learn_start)
         self.step_tokens, self.step_s = len(emitted), self._plan_s + end - walk
         if done:
             self._stop()
@@ -419,10 +419,8 @@ class Speculator:
             return None
         if self.plain_floor and plain_ms > 0.0:
             rate = max(rate, rows / plain_ms)
-        undrafted, drafted = self.plan_ms  # [undrafted, drafted]: learn_plan_time
-        draft_ms = None if drafted is None or undrafted is None else drafted - undrafted
         return StepPrice.lazy(rows, lambda: sched.step_prices(rows, rows * MAX_WIDTH, ctx),
-                              rate, draft_ms)
+                              rate, self.draft_ms)
 
     def learn_plan_time(self, drafted: bool, plan_s: float) -> None:
         """A round's host time beside others: its plan (its D, the draft call's included where
@@ -432,6 +430,13 @@ class Speculator:
         ms, mean = 1000.0 * plan_s, self.plan_ms[int(drafted)]
         self.plan_ms[int(drafted)] = ms if mean is None else (
             PLAN_DECAY * mean + (1.0 - PLAN_DECAY) * ms)
+
+    @property
+    def draft_ms(self) -> float | None:
+        """What a draft adds to a round's host time beside others: the drafted rounds' mean less
+        the undrafted ones' (plan_ms, as learn_plan_time keeps it); None until both ran."""
+        undrafted, drafted = self.plan_ms
+        return None if drafted is None or undrafted is None else drafted - undrafted
 
     def _priced(self, seqs: list) -> StepPrice | None:
         """The price this step's requests planned by (price_step), read once a step; again

@@ -152,7 +152,9 @@ def summarise(n: int, replies: list[StreamedReply | None], wall_s: float,
             "tokens": tokens, "wall_s": wall_s, "aggregate_tok_s": tokens / wall_s,
             "decode_tok_s_median": statistics.median(speeds) if speeds else None,
             "ttft_median_s": statistics.median(ttft) if ttft else None,
-            "ttft_p95_s": percentile(ttft, 0.95), "same_as_solo": same}
+            "ttft_p95_s": percentile(ttft, 0.95), "same_as_solo": same,
+            # each request's, in request order (None: failed): where the tail comes from
+            "ttft_s": [None if r is None else r.ttft_s for r in replies]}
 
 
 def make_server(arm: str, parallel: int, args, out_dir: Path):

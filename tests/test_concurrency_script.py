@@ -33,3 +33,17 @@ def test_prompt_chars_counts_the_messages_and_the_tools():
     messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": "de"}]
     assert concurrency.prompt_chars((messages, None)) == 5
     assert concurrency.prompt_chars((messages, tools)) == 5 + len(json.dumps(tools))
+
+
+def test_summary_keeps_each_requests_time_to_first_token_in_order():
+    from types import SimpleNamespace
+
+    def reply(ttft, text):
+        return SimpleNamespace(ttft_s=ttft, tok_s=10.0, completion_tokens=4, text=text)
+
+    replies = [reply(0.3, "a"), None, reply(0.1, "c"), reply(0.2, "d")]
+    row = concurrency.summarise(4, replies, 2.0, [reply(0.1, "a"), None, reply(0.1, "x"),
+                                                  reply(0.1, "d")])
+    assert row["ttft_s"] == [0.3, None, 0.1, 0.2]  # the failed one kept its place
+    assert row["ttft_median_s"] == 0.2 and row["failed"] == 1 and row["same_as_solo"] == 2
+    assert row["aggregate_tok_s"] == 6.0

@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     for arm in arms:
         mine = {r["clients"]: r["aggregate_tok_s"] for r in rows
                 if r["arm"] == arm and "aggregate_tok_s" in r}
-        if 1 in mine:
+        if 1 in mine and len(mine) > 1:
             ratios = ", ".join(f"N={n}: {mine[n] / mine[1]:.2f}x" for n in sorted(mine) if n != 1)
             print(f"{arm}: aggregate over N=1: {ratios}")
     if args.json is not None:

@@ -139,8 +139,8 @@ class LawFTRL:
         """`passes` passes over order [(φ, y)]: per sample, one pinball subgradient step.
         Coordinate 0 is the intercept (prior 1, unbounded), 1-4 the context weights (prior 0,
         kept >= 0); the arithmetic and its order are FTRL's (tests/test_cost.py: bit for bit).
-        The five coordinates are written out in locals: the end-of-request refit runs
-        thousands of steps, and a loop over lists took twice as long."""
+        The state lives in locals, a coordinate's step in _coordinate_step: the
+        end-of-request refit runs thousands of steps, and indexing lists took twice as long."""
         z0, z1, z2, z3, z4 = self.z
         n0, n1, n2, n3, n4 = self.n
         m0, m1, m2, m3, m4 = self.m
@@ -148,11 +148,7 @@ class LawFTRL:
         w0, w1, w2, w3, w4 = self.w
         p0 = _PRIOR[0]
         under, over = -QUANTILE, 1.0 - QUANTILE
-        cap, rate, l1, denom0, l2 = N_CAP, RATE, L1, STABILISER, L2
-        sqrt, copysign = math.sqrt, math.copysign
-        # per coordinate, as FTRL writes it: t = min(n + g², cap); z += g - (√t - √n)/α (w -
-        # prior); w = prior - soft(z, l1) / ((β + √t)/α + l2), the context weights kept >= 0
-        # (min/max spelled out with their own tie rules: the first argument on ties)
+        step = _coordinate_step
         for _ in range(passes):
             for (f0, f1, f2, f3, f4), y in order:
                 predicted = w0 * f0
@@ -161,55 +157,11 @@ class LawFTRL:
                 predicted += w3 * f3
                 predicted += w4 * f4
                 slope = under if y > predicted else over
-                g = slope * f0
-                t = n0 + g * g
-                if cap < t:
-                    t = cap
-                r = sqrt(t)
-                z0 += g - (r - s0) / rate * (w0 - p0)
-                n0, s0, m0 = t, r, m0 + (g != 0.0)
-                a = abs(z0)
-                w0 = p0 - (copysign(a - l1, z0) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
-                g = slope * f1
-                t = n1 + g * g
-                if cap < t:
-                    t = cap
-                r = sqrt(t)
-                z1 += g - (r - s1) / rate * (w1 - 0.0)
-                n1, s1, m1 = t, r, m1 + (g != 0.0)
-                a = abs(z1)
-                wk = 0.0 - (copysign(a - l1, z1) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
-                w1 = 0.0 if 0.0 > wk else wk
-                g = slope * f2
-                t = n2 + g * g
-                if cap < t:
-                    t = cap
-                r = sqrt(t)
-                z2 += g - (r - s2) / rate * (w2 - 0.0)
-                n2, s2, m2 = t, r, m2 + (g != 0.0)
-                a = abs(z2)
-                wk = 0.0 - (copysign(a - l1, z2) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
-                w2 = 0.0 if 0.0 > wk else wk
-                g = slope * f3
-                t = n3 + g * g
-                if cap < t:
-                    t = cap
-                r = sqrt(t)
-                z3 += g - (r - s3) / rate * (w3 - 0.0)
-                n3, s3, m3 = t, r, m3 + (g != 0.0)
-                a = abs(z3)
-                wk = 0.0 - (copysign(a - l1, z3) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
-                w3 = 0.0 if 0.0 > wk else wk
-                g = slope * f4
-                t = n4 + g * g
-                if cap < t:
-                    t = cap
-                r = sqrt(t)
-                z4 += g - (r - s4) / rate * (w4 - 0.0)
-                n4, s4, m4 = t, r, m4 + (g != 0.0)
-                a = abs(z4)
-                wk = 0.0 - (copysign(a - l1, z4) if a > l1 else 0.0) / ((denom0 + r) / rate + l2)
-                w4 = 0.0 if 0.0 > wk else wk
+                z0, n0, s0, m0, w0 = step(slope * f0, z0, n0, s0, m0, w0, p0)
+                z1, n1, s1, m1, w1 = step(slope * f1, z1, n1, s1, m1, w1, 0.0)
+                z2, n2, s2, m2, w2 = step(slope * f2, z2, n2, s2, m2, w2, 0.0)
+                z3, n3, s3, m3, w3 = step(slope * f3, z3, n3, s3, m3, w3, 0.0)
+                z4, n4, s4, m4, w4 = step(slope * f4, z4, n4, s4, m4, w4, 0.0)
         self.z, self.n, self.m = [z0, z1, z2, z3, z4], [n0, n1, n2, n3, n4], [m0, m1, m2, m3, m4]
         self._sqrt_n, self.w = (s0, s1, s2, s3, s4), (w0, w1, w2, w3, w4)
 
@@ -223,6 +175,24 @@ class LawFTRL:
         self.m = ftrl.labels.tolist()
         self._sqrt_n = tuple(math.sqrt(x) for x in self.n)
         self.w = tuple(ftrl.weights.tolist())
+
+
+def _coordinate_step(g: float, z: float, n: float, s: float, m: int, w: float, prior: float,
+                     sqrt=math.sqrt, copysign=math.copysign):
+    """One coordinate's FTRL-Proximal step at gradient g, as FTRLProximal takes it: t = min(n +
+    g², cap); z += g - (√t - √n)/α (w - prior); w = prior - soft(z, l1) / ((β + √t)/α + l2),
+    a context weight (prior 0) kept >= 0. min and max keep their first argument on ties.
+    Returns (z, n, √n, m, w)."""
+    t = n + g * g
+    if N_CAP < t:
+        t = N_CAP
+    r = sqrt(t)
+    z += g - (r - s) / RATE * (w - prior)
+    a = abs(z)
+    w_new = prior - (copysign(a - L1, z) if a > L1 else 0.0) / ((STABILISER + r) / RATE + L2)
+    if prior == 0.0 and 0.0 > w_new:
+        w_new = 0.0
+    return z, t, r, m + (g != 0.0), w_new
 
 
 def _train_fresh(order: list, passes: int) -> LawFTRL:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import concurrency  # noqa: E402
@@ -36,8 +37,6 @@ def test_prompt_chars_counts_the_messages_and_the_tools():
 
 
 def test_summary_keeps_each_requests_time_to_first_token_in_order():
-    from types import SimpleNamespace
-
     def reply(ttft, text):
         return SimpleNamespace(ttft_s=ttft, tok_s=10.0, completion_tokens=4, text=text)
 

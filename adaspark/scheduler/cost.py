@@ -103,6 +103,7 @@ def pinball(residual: float) -> float:
 
 
 _PRIOR = (1.0, 0.0, 0.0, 0.0, 0.0)
+_LOWER = (-math.inf, 0.0, 0.0, 0.0, 0.0)  # the intercept unbounded, context weights >= 0
 
 
 def _new_ftrl() -> FTRLProximal:
@@ -111,7 +112,7 @@ def _new_ftrl() -> FTRLProximal:
     # steps just reaching the scale). Context weights start at 0 and stay >= 0, so the law
     # never slopes down.
     return FTRLProximal(prior=list(_PRIOR), alpha=RATE, beta=STABILISER, l1=L1,
-                        l2=L2, n_cap=N_CAP, lower=[-math.inf, 0.0, 0.0, 0.0, 0.0])
+                        l2=L2, n_cap=N_CAP, lower=list(_LOWER))
 
 
 class LawFTRL:
@@ -146,7 +147,7 @@ class LawFTRL:
         m0, m1, m2, m3, m4 = self.m
         s0, s1, s2, s3, s4 = self._sqrt_n
         w0, w1, w2, w3, w4 = self.w
-        p0 = _PRIOR[0]
+        (p0, p1, p2, p3, p4), (b0, b1, b2, b3, b4) = _PRIOR, _LOWER
         under, over = -QUANTILE, 1.0 - QUANTILE
         step = _coordinate_step
         for _ in range(passes):
@@ -157,11 +158,11 @@ class LawFTRL:
                 predicted += w3 * f3
                 predicted += w4 * f4
                 slope = under if y > predicted else over
-                z0, n0, s0, m0, w0 = step(slope * f0, z0, n0, s0, m0, w0, p0)
-                z1, n1, s1, m1, w1 = step(slope * f1, z1, n1, s1, m1, w1, 0.0)
-                z2, n2, s2, m2, w2 = step(slope * f2, z2, n2, s2, m2, w2, 0.0)
-                z3, n3, s3, m3, w3 = step(slope * f3, z3, n3, s3, m3, w3, 0.0)
-                z4, n4, s4, m4, w4 = step(slope * f4, z4, n4, s4, m4, w4, 0.0)
+                z0, n0, s0, m0, w0 = step(slope * f0, z0, n0, s0, m0, w0, p0, b0)
+                z1, n1, s1, m1, w1 = step(slope * f1, z1, n1, s1, m1, w1, p1, b1)
+                z2, n2, s2, m2, w2 = step(slope * f2, z2, n2, s2, m2, w2, p2, b2)
+                z3, n3, s3, m3, w3 = step(slope * f3, z3, n3, s3, m3, w3, p3, b3)
+                z4, n4, s4, m4, w4 = step(slope * f4, z4, n4, s4, m4, w4, p4, b4)
         self.z, self.n, self.m = [z0, z1, z2, z3, z4], [n0, n1, n2, n3, n4], [m0, m1, m2, m3, m4]
         self._sqrt_n, self.w = (s0, s1, s2, s3, s4), (w0, w1, w2, w3, w4)
 
@@ -178,11 +179,11 @@ class LawFTRL:
 
 
 def _coordinate_step(g: float, z: float, n: float, s: float, m: int, w: float, prior: float,
-                     sqrt=math.sqrt, copysign=math.copysign):
+                     lower: float, sqrt=math.sqrt, copysign=math.copysign):
     """One coordinate's FTRL-Proximal step at gradient g, as FTRLProximal takes it: t = min(n +
-    g², cap); z += g - (√t - √n)/α (w - prior); w = prior - soft(z, l1) / ((β + √t)/α + l2),
-    a context weight (prior 0) kept >= 0. min and max keep their first argument on ties.
-    Returns (z, n, √n, m, w)."""
+    g², cap); z += g - (√t - √n)/α (w - prior); w = max(prior - soft(z, l1) / ((β + √t)/α +
+    l2), lower), min and max keeping their first argument on ties. Returns (z, n, √n, m, w).
+    (sqrt and copysign as defaults: local lookups in the refit's thousands of calls.)"""
     t = n + g * g
     if N_CAP < t:
         t = N_CAP
@@ -190,8 +191,8 @@ def _coordinate_step(g: float, z: float, n: float, s: float, m: int, w: float, p
     z += g - (r - s) / RATE * (w - prior)
     a = abs(z)
     w_new = prior - (copysign(a - L1, z) if a > L1 else 0.0) / ((STABILISER + r) / RATE + L2)
-    if prior == 0.0 and 0.0 > w_new:
-        w_new = 0.0
+    if lower > w_new:
+        w_new = lower
     return z, t, r, m + (g != 0.0), w_new
 
 

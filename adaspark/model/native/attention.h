@@ -63,9 +63,10 @@ inline vf sum_lanes(const vf* p) {
 
 // Softmax attention over each query's visible slots: the committed ones, then its row's
 // ancestors in the call in row order (parents precede children, so the i-th visible slot holds
-// position i). A task takes one kv head and kQueries of the queries that share it (row-major
+// position i). A task takes one kv head and a block of the queries that share it (row-major
 // over (row, head in the group); a segment's last block only the rest, each query computed
-// once), so each committed K/V slot is converted from fp16 once for them all. Scores come W
+// once), so each committed K/V slot is converted from fp16 once for them all (attend_blocks
+// sizes the blocks). Scores come W
 // slots at a time (sum_lanes); every query sums its dots, exps and weighted values in one
 // fixed order per slot, so a row's result is the same in any call:
 // tree, chain, step or prefill. C: head_dim / W, a constant so accumulators stay in registers.
@@ -75,7 +76,7 @@ inline vf sum_lanes(const vf* p) {
 // keep their index with a weight of exactly 0 (sums and maxima untouched), and a query's sums
 // start at the W-group holding its first visible slot, so a row still comes out the same in
 // any call: the groups before that one would only add zeros.
-constexpr int kQueries = 4;
+constexpr int kMaxQueries = 32;  // a block's queries at most (their scores stay in L2)
 
 // Whether attend() takes this head_dim: 2, 4, 8, 16 or 32 vectors.
 inline bool attend_takes(int64_t hd) {
@@ -139,18 +140,101 @@ inline float softmax_weights(float* sc, int64_t from, int64_t hide, int64_t m, H
   return 1.0f / vsum(lanes);
 }
 
-// One task of attend_c: kv head g and the Q queries from q0 of segment sg (Q = kQueries but
-// for a segment's last block, so that no query is computed twice). scores: Q * stride floats.
-template <int C, int Q>
+// Scores of W slots whose keys (float32) are in `keys`, for the query at qp: slot j's dot
+// sums its C products in order (c outer, so the W independent sums use C + W registers
+// instead of holding the query's C vectors and the sums at once), then sum_lanes.
+template <int C>
+inline vf score_keys(const float* qp, const float (*keys)[C * W], float scale) {
+  vf p[W];
+  const vf q0 = vload(qp);
+  for (int j = 0; j < W; ++j) p[j] = vmul(q0, vload(keys[j]));
+  for (int c = 1; c < C; ++c) {
+    const vf qc = vload(qp + c * W);
+    for (int j = 0; j < W; ++j) p[j] = vfma(qc, vload(keys[j] + c * W), p[j]);
+  }
+  return vmul(sum_lanes(p), vset1(scale));
+}
+
+// acc_of(i) += w_s v_s for each query i < qn over its slots [max(s0, lo[i]), min(s0 + W,
+// end[i])) of a value tile (slots s0 .. s0 + W - 1 in float32), in slot order; w_s =
+// scores[i * stride + s]. The accumulators stay in registers for the tile (8 vectors at a
+// time), and two queries that both cover the whole tile share its loads: with C < 8 one
+// query's C fma chains are too few to hide the fma latency. Each query's own additions keep
+// their order, so the result is the same however the queries are grouped.
+template <int C, class AccOf>
+inline void add_value_tile(const float (*tile)[C * W], int64_t s0, int qn, const int64_t* lo,
+                           const int64_t* end, const float* scores, int64_t stride,
+                           const AccOf& acc_of) {
+  constexpr int P = C < 8 ? C : 8;  // vectors a pass
+  auto whole = [&](int i) { return lo[i] <= s0 && s0 + W <= end[i]; };
+  for (int i = 0; i < qn;) {
+    if (C < 8 && i + 1 < qn && whole(i) && whole(i + 1)) {
+      const float *sa = scores + i * stride, *sb = sa + stride;
+      float *oa = acc_of(i), *ob = acc_of(i + 1);
+      vf acc[2][C];
+      for (int c = 0; c < C; ++c) {
+        acc[0][c] = vload(oa + c * W);
+        acc[1][c] = vload(ob + c * W);
+      }
+      for (int j = 0; j < W; ++j) {
+        const vf wa = vset1(sa[s0 + j]), wb = vset1(sb[s0 + j]);
+        for (int c = 0; c < C; ++c) {
+          const vf v = vload(tile[j] + c * W);
+          acc[0][c] = vfma(wa, v, acc[0][c]);
+          acc[1][c] = vfma(wb, v, acc[1][c]);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        vstore(oa + c * W, acc[0][c]);
+        vstore(ob + c * W, acc[1][c]);
+      }
+      i += 2;
+      continue;
+    }
+    const int64_t a = std::max(s0, lo[i]), b = std::min(s0 + W, end[i]);
+    if (a < b) {
+      const float* sc = scores + i * stride;
+      float* o = acc_of(i);
+      for (int c0 = 0; c0 < C; c0 += P) {
+        vf acc[P];
+        for (int c = 0; c < P; ++c) acc[c] = vload(o + (c0 + c) * W);
+        for (int64_t s = a; s < b; ++s) {
+          const vf w = vset1(sc[s]);
+          for (int c = 0; c < P; ++c) acc[c] = vfma(w, vload(tile[s - s0] + (c0 + c) * W), acc[c]);
+        }
+        for (int c = 0; c < P; ++c) vstore(o + (c0 + c) * W, acc[c]);
+      }
+    }
+    ++i;
+  }
+}
+
+// W slots of one kv head's fp16 K or V rows (slot s at base + s * hd) into a float32 tile;
+// slots from `count` on are zeros.
+template <int C>
+inline void load_tile(float (*tile)[C * W], const uint16_t* base, int64_t s0, int64_t count) {
+  for (int j = 0; j < W; ++j)
+    for (int c = 0; c < C; ++c)
+      vstore(tile[j] + c * W, j < count ? vload_h(base + (s0 + j) * C * W + c * W) : vzero());
+}
+
+// One task of attend_c: kv head g and the Q queries from q0 of segment sg (Q <= kMaxQueries).
+// scores: Q * stride floats. Each committed key and value tile is converted from fp16 once
+// for the Q queries; a query's value sums live in its rows of `out` between tiles.
+template <int C>
 void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const Segment& sg,
-                  int64_t g, int64_t q0, float scale, std::vector<float>& scores, float* out) {
+                  int64_t g, int64_t q0, int Q, float scale, std::vector<float>& scores,
+                  float* out) {
   const int64_t heads = hs.heads, hd = hs.hd, group = hs.heads / hs.kv_heads;
   const int64_t start = sg.start, n = sg.n, stride = round_up(start + n, W);
-  alignas(64) float keys[W][C * W];  // W slots' keys in float32
+  alignas(64) float tile[W][C * W];  // W slots' keys, then values, in float32
   const uint16_t* kg = sg.kl + g * sg.capacity * hd;
   const uint16_t* vg = sg.vl + g * sg.capacity * hd;
-  int64_t row[Q], head[Q], m[Q], lo[Q], from[Q];
-  vf q[Q][C], acc[Q][C];
+  int64_t row[kMaxQueries], head[kMaxQueries], m[kMaxQueries], lo[kMaxQueries],
+      from[kMaxQueries], committed[kMaxQueries];
+  const float* qp[kMaxQueries];
+  float* o[kMaxQueries];
+  float inv[kMaxQueries];
   for (int i = 0; i < Q; ++i) {
     const int64_t qi = q0 + i;
     row[i] = qi / group;
@@ -158,23 +242,17 @@ void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const 
     // the first visible position, and the W-group where the query's sums start
     lo[i] = sg.window ? std::max<int64_t>(0, sg.pos[row[i]] - sg.window + 1) : 0;
     from[i] = std::min(lo[i], start) / W * W;
-    const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
-    for (int c = 0; c < C; ++c) q[i][c] = vload(qp + c * W);
+    committed[i] = start;
+    qp[i] = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
+    o[i] = out + (sg.row0 + row[i]) * heads * hd + head[i] * hd;
   }
-  // scores of W visible slots [s0, s0 + count) whose keys are in `keys`, for query i
   auto score = [&](int i, int64_t s0) {
-    vf p[W];
-    for (int j = 0; j < W; ++j) {
-      vf d = vmul(q[i][0], vload(keys[j]));
-      for (int c = 1; c < C; ++c) d = vfma(q[i][c], vload(keys[j] + c * W), d);
-      p[j] = d;
-    }
-    vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
+    vstore(scores.data() + i * stride + s0, score_keys<C>(qp[i], tile, scale));
   };
   auto load_keys = [&](const uint16_t* const* ks, int64_t count) {
     for (int j = 0; j < W; ++j)
       for (int c = 0; c < C; ++c)
-        vstore(keys[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
+        vstore(tile[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
   };
   // calls f(index) for each ancestor of query i the window hides
   auto hidden_ancestors = [&](int i, auto f) {
@@ -186,14 +264,13 @@ void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const 
     }
   };
   const int64_t from_all = *std::min_element(from, from + Q);
-  const uint16_t* ks[W];
   // whole groups of committed slots, shared by the queries; a partial last group is
   // scored per query below, together with the row's ancestors that follow it
   for (int64_t s0 = from_all; s0 + W <= start; s0 += W) {
-    for (int j = 0; j < W; ++j) ks[j] = kg + (s0 + j) * hd;
-    load_keys(ks, W);
+    load_tile<C>(tile, kg, s0, W);
     for (int i = 0; i < Q; ++i) score(i, s0);
   }
+  const uint16_t* ks[W];
   for (int i = 0; i < Q; ++i) {  // the row's ancestors, then its softmax
     float* sc = scores.data() + i * stride;
     int64_t s0 = start / W * W, count = start - s0;
@@ -215,24 +292,22 @@ void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const 
       score(i, s0);
     }
     const int64_t hide = std::min(lo[i], start);  // committed slots [from, hide) hidden
-    const float inv = softmax_weights(sc, from[i], hide, m[i],
-                                      [&](auto f) { hidden_ancestors(i, f); });
-    q[i][0] = vset1(inv);  // the query is spent: keep 1/sum in its place
-    for (int c = 0; c < C; ++c) acc[i][c] = vzero();
+    inv[i] = softmax_weights(sc, from[i], hide, m[i], [&](auto f) { hidden_ancestors(i, f); });
+    for (int c = 0; c < C; ++c) vstore(o[i] + c * W, vzero());
   }
+  // committed values, one tile at a time for all the queries; hidden slots are skipped, not
+  // weighted by 0 (an fp16 inf stays out)
   const int64_t lo_all = *std::min_element(lo, lo + Q);
-  for (int64_t s = lo_all; s < start; ++s) {  // committed values: one V conversion for all
-    vf v[C];
-    for (int c = 0; c < C; ++c) v[c] = vload_h(vg + s * hd + c * W);
-    for (int i = 0; i < Q; ++i) {
-      if (s < lo[i]) continue;  // hidden: skipped, not weighted by 0 (an fp16 inf stays out)
-      const vf w = vset1(scores[i * stride + s]);
-      for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, v[c], acc[i][c]);
-    }
+  for (int64_t s0 = lo_all / W * W; s0 < start; s0 += W) {
+    load_tile<C>(tile, vg, s0, std::min<int64_t>(W, start - s0));
+    add_value_tile<C>(tile, s0, Q, lo, committed, scores.data(), stride,
+                      [&](int i) { return o[i]; });
   }
-  for (int i = 0; i < Q; ++i) {
+  for (int i = 0; i < Q; ++i) {  // the row's ancestors' values, then 1 / sum
     const float* sc = scores.data() + i * stride;
     int64_t s = start;
+    vf acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = vload(o[i] + c * W);
     for (int64_t j = 0; j < n; ++j) {
       if (!sg.anc[row[i] * sg.anc_stride + j]) continue;
       if (sg.window && sg.pos[j] < lo[i]) {
@@ -241,38 +316,62 @@ void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const 
       }
       const uint16_t* vj = vg + (start + j) * hd;
       const vf w = vset1(sc[s++]);
-      for (int c = 0; c < C; ++c) acc[i][c] = vfma(w, vload_h(vj + c * W), acc[i][c]);
+      for (int c = 0; c < C; ++c) acc[c] = vfma(w, vload_h(vj + c * W), acc[c]);
     }
-    float* o = out + (sg.row0 + row[i]) * heads * hd + head[i] * hd;
-    for (int c = 0; c < C; ++c) vstore(o + c * W, vmul(acc[i][c], q[i][0]));
+    for (int c = 0; c < C; ++c) vstore(o[i] + c * W, vmul(acc[c], vset1(inv[i])));
   }
+}
+
+// Queries a block for each segment (n rows, group queries a row over each kv head): as few
+// blocks as kMaxQueries allows, since every block converts the head's committed K/V from fp16
+// again; then, while the tasks (kv heads x blocks) do not split evenly over the threads, one
+// more block for the segment with the most queries a block, as long as its blocks keep two
+// rows' queries or more (a one-row step's three tasks on two threads stay: splitting its
+// queries would convert each head's K/V twice, which costs more than one thread's wait).
+inline std::vector<int64_t> block_sizes(const std::vector<Segment>& segs, int64_t kv_heads,
+                                        int64_t group, int64_t threads) {
+  std::vector<int64_t> blocks(segs.size()), size(segs.size());
+  int64_t tasks = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    blocks[i] = (segs[i].n * group + kMaxQueries - 1) / kMaxQueries;
+    tasks += kv_heads * blocks[i];
+  }
+  auto per_block = [&](size_t i) { return (segs[i].n * group + blocks[i] - 1) / blocks[i]; };
+  while (threads > 1 && tasks % threads != 0) {
+    size_t widest = 0;
+    for (size_t i = 1; i < segs.size(); ++i)
+      if (per_block(i) > per_block(widest)) widest = i;
+    if (per_block(widest) < 2 * group) break;
+    ++blocks[widest];
+    tasks += kv_heads;
+  }
+  for (size_t i = 0; i < segs.size(); ++i) size[i] = per_block(i);
+  return size;
 }
 
 template <int C>
 void attend_c(const Heads& hs, const float* q_rows, int64_t q_stride,
               const std::vector<Segment>& segs, float* out) {
   const int64_t hd = hs.hd, group = hs.heads / hs.kv_heads;
+  const std::vector<int64_t> per =
+      block_sizes(segs, hs.kv_heads, group, at::get_num_threads());
   std::vector<int64_t> first(segs.size() + 1, 0);  // a segment's tasks: kv heads x query blocks
   int64_t most = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
-    first[i + 1] = first[i] + hs.kv_heads * ((segs[i].n * group + kQueries - 1) / kQueries);
-    most = std::max(most, round_up(segs[i].start + segs[i].n, W));
+    first[i + 1] = first[i] + hs.kv_heads * ((segs[i].n * group + per[i] - 1) / per[i]);
+    most = std::max(most, per[i] * round_up(segs[i].start + segs[i].n, W));
   }
   const float scale = hs.scale ? hs.scale : 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, first.back(), 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scores;
-    scores.resize(kQueries * most);
+    scores.resize(most);
     for (int64_t t = t0; t < t1; ++t) {
       const size_t si = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const Segment& sg = segs[si];
-      const int64_t nq = sg.n * group, blocks = (nq + kQueries - 1) / kQueries;
-      const int64_t g = (t - first[si]) / blocks, q0 = (t - first[si]) % blocks * kQueries;
-      switch (std::min<int64_t>(kQueries, nq - q0)) {
-        case 1: attend_block<C, 1>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out); break;
-        case 2: attend_block<C, 2>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out); break;
-        case 3: attend_block<C, 3>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out); break;
-        default: attend_block<C, kQueries>(hs, q_rows, q_stride, sg, g, q0, scale, scores, out);
-      }
+      const int64_t nq = sg.n * group, blocks = (nq + per[si] - 1) / per[si];
+      const int64_t g = (t - first[si]) / blocks, q0 = (t - first[si]) % blocks * per[si];
+      const int qn = static_cast<int>(std::min<int64_t>(per[si], nq - q0));
+      attend_block<C>(hs, q_rows, q_stride, sg, g, q0, qn, scale, scores, out);
     }
   });
 }
@@ -319,25 +418,12 @@ void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const 
     }
     const int64_t lo_all = *std::min_element(lo, lo + qn);
     const int64_t end = *std::max_element(m, m + qn);
-    auto load_tile = [&](const uint16_t* base, int64_t s0) {  // slots past `end` stay out
-      const int64_t count = std::min<int64_t>(W, end - s0);
-      for (int j = 0; j < W; ++j)
-        for (int c = 0; c < C; ++c)
-          vstore(tile[j] + c * W, j < count ? vload_h(base + (s0 + j) * hd + c * W) : vzero());
-    };
     for (int64_t s0 = lo_all / W * W; s0 < end; s0 += W) {  // scores, one key tile at a time
-      load_tile(kg, s0);
+      load_tile<C>(tile, kg, s0, std::min<int64_t>(W, end - s0));  // slots past `end` stay out
       for (int i = 0; i < qn; ++i) {
         if (s0 >= m[i] || s0 < from[i]) continue;
         const float* qp = q_rows + (sg.row0 + row[i]) * q_stride + head[i] * hd;
-        vf q[C], p[W];
-        for (int c = 0; c < C; ++c) q[c] = vload(qp + c * W);
-        for (int j = 0; j < W; ++j) {
-          vf d = vmul(q[0], vload(tile[j]));
-          for (int c = 1; c < C; ++c) d = vfma(q[c], vload(tile[j] + c * W), d);
-          p[j] = d;
-        }
-        vstore(scores.data() + i * stride + s0, vmul(sum_lanes(p), vset1(scale)));
+        vstore(scores.data() + i * stride + s0, score_keys<C>(qp, tile, scale));
       }
     }
     for (int i = 0; i < qn; ++i)  // softmax: attend_c's, hidden slots being [from, lo)
@@ -348,48 +434,8 @@ void attend_chain(const Heads& hs, const float* q_rows, int64_t q_stride, const 
     for (int i = 0; i < qn; ++i)
       for (int c = 0; c < C; ++c) vstore(out_of(i) + c * W, vzero());
     for (int64_t s0 = lo_all / W * W; s0 < end; s0 += W) {
-      load_tile(vg, s0);
-      auto whole = [&](int i) { return lo[i] <= s0 && s0 + W <= m[i]; };
-      for (int i = 0; i < qn;) {
-        if (C < 8 && i + 1 < qn && whole(i) && whole(i + 1)) {
-          // two queries over the whole tile: twice the independent fma chains (C alone are
-          // too few to hide the fma latency); each query's own additions keep their order
-          const float *sa = scores.data() + i * stride, *sb = sa + stride;
-          float *oa = out_of(i), *ob = out_of(i + 1);
-          vf acc[2][C];
-          for (int c = 0; c < C; ++c) {
-            acc[0][c] = vload(oa + c * W);
-            acc[1][c] = vload(ob + c * W);
-          }
-          for (int j = 0; j < W; ++j) {
-            const vf wa = vset1(sa[s0 + j]), wb = vset1(sb[s0 + j]);
-            for (int c = 0; c < C; ++c) {
-              const vf v = vload(tile[j] + c * W);
-              acc[0][c] = vfma(wa, v, acc[0][c]);
-              acc[1][c] = vfma(wb, v, acc[1][c]);
-            }
-          }
-          for (int c = 0; c < C; ++c) {
-            vstore(oa + c * W, acc[0][c]);
-            vstore(ob + c * W, acc[1][c]);
-          }
-          i += 2;
-          continue;
-        }
-        const int64_t a = std::max(s0, lo[i]), b = std::min(s0 + W, m[i]);
-        if (a < b) {
-          const float* sc = scores.data() + i * stride;
-          float* o = out_of(i);
-          vf acc[C];
-          for (int c = 0; c < C; ++c) acc[c] = vload(o + c * W);
-          for (int64_t s = a; s < b; ++s) {
-            const vf w = vset1(sc[s]);
-            for (int c = 0; c < C; ++c) acc[c] = vfma(w, vload(tile[s - s0] + c * W), acc[c]);
-          }
-          for (int c = 0; c < C; ++c) vstore(o + c * W, acc[c]);
-        }
-        ++i;
-      }
+      load_tile<C>(tile, vg, s0, std::min<int64_t>(W, end - s0));
+      add_value_tile<C>(tile, s0, qn, lo, m, scores.data(), stride, out_of);
     }
     for (int i = 0; i < qn; ++i) {
       float* o = out_of(i);

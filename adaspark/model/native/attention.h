@@ -65,7 +65,7 @@ inline vf sum_lanes(const vf* p) {
 // ancestors in the call in row order (parents precede children, so the i-th visible slot holds
 // position i). A task takes one kv head and a block of the queries that share it (row-major
 // over (row, head in the group); a segment's last block only the rest, each query computed
-// once), so each committed K/V slot is converted from fp16 once for them all (attend_blocks
+// once), so each committed K/V slot is converted from fp16 once for them all (block_sizes
 // sizes the blocks). Scores come W
 // slots at a time (sum_lanes); every query sums its dots, exps and weighted values in one
 // fixed order per slot, so a row's result is the same in any call:
@@ -209,13 +209,19 @@ inline void add_value_tile(const float (*tile)[C * W], int64_t s0, int qn, const
   }
 }
 
-// W slots of one kv head's fp16 K or V rows (slot s at base + s * hd) into a float32 tile;
-// slots from `count` on are zeros.
-template <int C>
-inline void load_tile(float (*tile)[C * W], const uint16_t* base, int64_t s0, int64_t count) {
+// `count` fp16 K or V rows (row j at row(j)) into a float32 tile of W slots; slots from
+// `count` on are zeros.
+template <int C, class Row>
+inline void load_rows(float (*tile)[C * W], int64_t count, const Row& row) {
   for (int j = 0; j < W; ++j)
     for (int c = 0; c < C; ++c)
-      vstore(tile[j] + c * W, j < count ? vload_h(base + (s0 + j) * C * W + c * W) : vzero());
+      vstore(tile[j] + c * W, j < count ? vload_h(row(j) + c * W) : vzero());
+}
+
+// W slots of one kv head's fp16 K or V rows from slot s0 (slot s at base + s * hd).
+template <int C>
+inline void load_tile(float (*tile)[C * W], const uint16_t* base, int64_t s0, int64_t count) {
+  load_rows<C>(tile, count, [&](int j) { return base + (s0 + j) * C * W; });
 }
 
 // One task of attend_c: kv head g and the Q queries from q0 of segment sg (Q <= kMaxQueries).
@@ -250,9 +256,7 @@ void attend_block(const Heads& hs, const float* q_rows, int64_t q_stride, const 
     vstore(scores.data() + i * stride + s0, score_keys<C>(qp[i], tile, scale));
   };
   auto load_keys = [&](const uint16_t* const* ks, int64_t count) {
-    for (int j = 0; j < W; ++j)
-      for (int c = 0; c < C; ++c)
-        vstore(tile[j] + c * W, j < count ? vload_h(ks[j] + c * W) : vzero());
+    load_rows<C>(tile, count, [&](int j) { return ks[j]; });
   };
   // calls f(index) for each ancestor of query i the window hides
   auto hidden_ancestors = [&](int i, auto f) {

@@ -1,4 +1,5 @@
-"""The thread governor: the cores other processes leave, two readings to change, pinned by env."""
+"""The thread governor: the cores other processes keep busy (a time average), two readings to
+change, pinned by env."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from adaspark import threads
 
 
 class Machine:
-    """Other processes' runnable count by reading, a clock, and the thread counts set."""
+    """Other processes' busy cores by reading, a clock, and the thread counts set."""
 
     def __init__(self, others):
         self.others, self.now, self.set = list(others), 0.0, []
@@ -63,7 +64,34 @@ def test_without_proc_it_keeps_its_count(monkeypatch):
     assert [m.step(g), m.step(g)] == [2, 2]
 
 
+def test_a_light_neighbour_keeps_every_core_and_half_a_core_takes_one(monkeypatch):
+    """A client reading our stream is runnable whenever we look but busy a tenth of a core:
+    it takes nothing; from half a core on, a neighbour takes one."""
+    monkeypatch.delenv("ADASPARK_THREADS", raising=False)
+    m = Machine([0.1, 0.3, 0.45, 0.2, 0.5, 0.7, 0.9])
+    g = m.governor()
+    assert [m.step(g) for _ in range(7)] == [2, 2, 2, 2, 2, 1, 1] and m.set == [1]
+
+
 def test_the_proc_readings_parse():
-    assert threads.procs_running("cpu 1 2 3\nprocs_running 3\nprocs_blocked 0\n") == 3
-    assert threads.procs_running("cpu 1 2 3\n") is None
-    assert threads.own_running() >= 1  # this thread, reading
+    stat = "cpu  100 5 20 900 30 2 3 40 0 0\ncpu0 50 2 10 450 15 1 1 20 0 0\n"
+    assert threads.busy_ticks(stat) == 100 + 5 + 20 + 2 + 3  # not idle, iowait or steal
+    assert threads.busy_ticks("cpu0 1 2 3\n") is None
+    assert threads.busy_ticks() > 0  # this machine's /proc/stat
+
+
+def test_other_load_is_the_machine_busy_time_less_ours_over_the_wall_time():
+    # ticks at 100 Hz: in one second the machine was busy 150 ticks, 100 of them ours
+    readings = iter([(1000, 2.0, 10.0), (1150, 3.0, 11.0), (1160, 3.1, 11.0), (1200, 3.6, 12.0)])
+    now = {}
+
+    def busy():
+        now["busy"], now["own"], now["t"] = next(readings)
+        return now["busy"]
+
+    load = threads.OtherLoad(busy=busy, own_s=lambda: now["own"], clock=lambda: now["t"],
+                             hz=100)
+    assert load() is None  # no interval yet
+    assert abs(load() - 0.5) < 1e-9
+    assert load() is None  # no wall time passed
+    assert load() == 0.0  # ours exceeds the machine's by rounding of ticks: never negative

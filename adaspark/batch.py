@@ -90,6 +90,9 @@ class Batch:
         self.before_plan: Callable[[list[Decode]], None] | None = None
         self.before_verify: Callable[[list[Decode], list[tuple]], list[tuple]] | None = None
         self.after_verify: Callable[[list[Decode], Step], None] | None = None
+        # just before each forward, which runs without the GIL: a server hands the streamed
+        # text its callbacks held back to its event loop here (server/worker.py)
+        self.before_forward: Callable[[], None] | None = None
 
     @property
     def full(self) -> bool:
@@ -169,6 +172,8 @@ class Batch:
         if not seqs:
             return []
         chunks = [seq.next_chunk(self.prefill_chunk) for seq in seqs]
+        if self.before_forward is not None:
+            self.before_forward()
         try:  # the drafters' features: the layers every verify taps
             outs = self.target.prefill_many(
                 [seq.slot.kv for seq in seqs], chunks, tap_layers=self.tap_layers,
@@ -207,6 +212,8 @@ class Batch:
 
     def _verify(self, live: list[Decode], rows: list[tuple]) -> list[Decode]:
         logits = any(seq.sampler is not None for seq in live)
+        if self.before_forward is not None:
+            self.before_forward()
         start = time.perf_counter()
         try:
             out = self.target.verify_many([seq.slot.kv for seq in live], rows,

@@ -32,6 +32,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from adaspark import threads
 from adaspark.cached import CachedTokens
 from adaspark.model.transformer import PREFILL_CHUNK
@@ -90,9 +92,6 @@ class Batch:
         self.before_plan: Callable[[list[Decode]], None] | None = None
         self.before_verify: Callable[[list[Decode], list[tuple]], list[tuple]] | None = None
         self.after_verify: Callable[[list[Decode], Step], None] | None = None
-        # just before each forward, which runs without the GIL: a server hands the streamed
-        # text its callbacks held back to its event loop here (server/worker.py)
-        self.before_forward: Callable[[], None] | None = None
 
     @property
     def full(self) -> bool:
@@ -172,8 +171,6 @@ class Batch:
         if not seqs:
             return []
         chunks = [seq.next_chunk(self.prefill_chunk) for seq in seqs]
-        if self.before_forward is not None:
-            self.before_forward()
         try:  # the drafters' features: the layers every verify taps
             outs = self.target.prefill_many(
                 [seq.slot.kv for seq in seqs], chunks, tap_layers=self.tap_layers,
@@ -212,8 +209,6 @@ class Batch:
 
     def _verify(self, live: list[Decode], rows: list[tuple]) -> list[Decode]:
         logits = any(seq.sampler is not None for seq in live)
-        if self.before_forward is not None:
-            self.before_forward()
         start = time.perf_counter()
         try:
             out = self.target.verify_many([seq.slot.kv for seq in live], rows,
@@ -225,13 +220,19 @@ class Batch:
             return [seq for one, row in zip(live, rows, strict=True)  # find who fails
                     for seq in self._verify([one], [row])]
         step = Step(time.perf_counter() - start, sum(len(r[0]) for r in rows), len(live))
+        # once a step, not once a request: the picks as numpy; the taps stacked [rows, taps,
+        # dim] in tap_layers' order (a copy: the target may reuse its buffers), each request's
+        # rows a view of them (Drafter.observe_taps)
+        argmax = out.argmax.cpu().numpy()
+        taps = torch.stack([out.hiddens[layer] for layer in self.tap_layers], -2
+                           ) if self.tap_layers else None
         failed, at = [], 0
         for seq, row in zip(live, rows, strict=True):
             n, at = len(row[0]), at + len(row[0])
-            hiddens = {layer: h[at - n:at] for layer, h in out.hiddens.items()}
             try:
-                seq.take(out.argmax[at - n:at], None if out.logits is None
-                         else out.logits[at - n:at], step, hiddens=hiddens)
+                seq.take(argmax[at - n:at], None if out.logits is None
+                         else out.logits[at - n:at], step,
+                         taps=None if taps is None else taps[at - n:at])
             except Exception as err:
                 seq.fail(err)
                 failed.append(seq)

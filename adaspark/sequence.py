@@ -167,11 +167,12 @@ class Decode:
         return [self.token], *ONE_ROW
 
     def take(self, argmax: Any, logits: Any = None, step: Any = None,
-             hiddens: Any = None) -> None:
-        """The verified row's output: commit it, pick the next token (argmax [1]; logits
-        [1, vocab] when sampling; step: the shared call, batch.Step, which plain decoding does
-        not learn from; hiddens: the tapped layers' rows, which only a drafter reads). The
-        row sits at len(slot) - 1 after the commit; its pick one position on."""
+             taps: Any = None) -> None:
+        """The verified row's output: commit it, pick the next token (argmax [1], numpy;
+        logits [1, vocab] when sampling; step: the shared call, batch.Step, which plain
+        decoding does not learn from; taps: the tapped layers' rows, [1, taps, dim], which only
+        a drafter reads). The row sits at len(slot) - 1 after the commit; its pick one
+        position on."""
         self.slot.kv.commit([0])
         self.slot.commit([self.token])
         if self.sampler is None:

@@ -227,7 +227,7 @@ class RoundDecode(Decode):
         return drafter.draft(self.request.anchor, noise=noise)
 
     def take(self, argmax: Any, logits: Any = None, step: Any = None,
-             hiddens: Any = None) -> None:
+             taps: Any = None) -> None:
         """Accept on the verified rows, the reply takes the path, the slot commits the kept
         rows, the scheduler learns. A round alone in its call learns as Speculator.decode's;
         beside others its verify time is the shared call's, so it teaches no price
@@ -236,7 +236,7 @@ class RoundDecode(Decode):
         start = time.perf_counter()
         adjusted: dict[int, Any] = {}
         if sampler is None:
-            picks = argmax.cpu().numpy()
+            picks = argmax  # numpy: Batch._verify converts the step's once
         else:
             picks, adjusted = sample_path(sampler, logits.cpu(), plan, len(self.slot))
         walk = time.perf_counter()
@@ -247,7 +247,7 @@ class RoundDecode(Decode):
         self.slot.kv.commit(rows)
         if self.slot.drafter is not None:  # the kept rows' taps: its drafter's next features
             # a one-row round's taps are its kept row's: all of them, without an index
-            self.slot.drafter.observe(hiddens, rows=None if plan.rows == 1 else rows)
+            self.slot.drafter.observe_taps(taps, rows=None if plan.rows == 1 else rows)
         commit_s = time.perf_counter() - commit
         self.slot.commit(plan.tokens[rows])
         alone = step is None or step.sequences == 1

@@ -398,6 +398,23 @@ def test_a_forked_drafter_keeps_its_own_feature_cache(fast_model, drafter):
     other.reset()
 
 
+
+def test_stacked_taps_feed_a_drafter_as_its_hiddens_do(fast_model, drafter):
+    """Drafter.observe_taps (a batch stacks its step's taps once) queues exactly what observe()
+    of the same rows' hiddens does: all rows, a run of rows, rows out of order; a tensor of
+    the wrong shape is refused."""
+    with fast_model.using(fast_model.new_cache()):
+        out = fast_model.prefill([1, 2, 3, 4, 5, 6], tap_layers=drafter.tap_layers)
+    stacked = torch.stack([out.hiddens[layer] for layer in drafter.tap_layers], -2)
+    for rows in (None, [1, 2, 3], [0, 2, 5]):
+        one, other = drafter.fork(), drafter.fork()
+        one.observe(out.hiddens, rows=rows)
+        other.observe_taps(stacked, rows=rows)
+        assert one.length == other.length == (6 if rows is None else 3)
+        assert torch.equal(torch.cat(one._pending), torch.cat(other._pending))
+    with pytest.raises(ValueError, match="expected"):
+        drafter.fork().observe_taps(stacked[:, :1])
+
 def test_drafting_rounds_beside_others_equal_their_solo_runs(drafting):
     caps = (40, 32, 24, 16)
     want = [solo(drafting, p, max_tokens=n) for p, n in zip(PROMPTS, caps, strict=True)]
@@ -624,13 +641,25 @@ def test_a_plain_round_beside_others_feeds_its_kept_row_to_its_own_drafter(draft
         [price(total) for total in range(most + 1)]))
     monkeypatch.setattr(sched, "step_price", lambda rows, context: price(rows))
     drafting.speculator.step_rate = held_rate(3.0, 30.0)  # a row past 3 costs 100 tokens' time
-    take, plain = RoundDecode.take, []
+    take, plain, verified = RoundDecode.take, [], {}
+    target_class = type(drafting.target)
+    verify_many = target_class.verify_many
 
-    def checked(self, argmax, logits=None, step=None, hiddens=None):
+    def recorded(target, caches, rows, **kw):  # the call's taps, as the target made them
+        out = verify_many(target, caches, rows, **kw)
+        starts = np.cumsum([0, *(len(r[0]) for r in rows)])
+        verified.update({id(c): (out.hiddens, int(at))
+                         for c, at in zip(caches, starts[:-1], strict=True)})
+        return out
+
+    monkeypatch.setattr(target_class, "verify_many", recorded)  # together() spies on it
+
+    def checked(self, argmax, logits=None, step=None, taps=None):
         drafter, before = self.slot.drafter, self.slot.drafter.length
-        take(self, argmax, logits, step, hiddens=hiddens)
+        take(self, argmax, logits, step, taps=taps)
         if self._plan.rows == 1 and step.sequences > 1:
-            kept = torch.stack([hiddens[layer][:1] for layer in drafter.tap_layers], -2)
+            hiddens, at = verified[id(self.slot.kv)]  # this request's row in the shared call
+            kept = torch.stack([hiddens[layer][at:at + 1] for layer in drafter.tap_layers], -2)
             assert drafter.length == before + 1
             assert torch.equal(drafter._pending[-1], kept)  # queued for its next draft
             plain.append(id(self))

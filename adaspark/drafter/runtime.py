@@ -200,6 +200,21 @@ class Drafter:
         else:
             idx = torch.as_tensor(rows, dtype=torch.long)
             taps = torch.stack([hiddens[layer][idx] for layer in self.tap_layers], -2)
+        self._append(taps)
+
+    def observe_taps(self, taps: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """observe() of taps already stacked, [n, len(tap_layers), dim] in tap_layers' order,
+        and copied out of the target's buffers (a batch stacks its step's once:
+        batch.Batch._verify); rows: as observe's."""
+        if taps.dim() != 3 or taps.shape[1] != len(self.tap_layers):
+            raise ValueError(f"taps of shape {tuple(taps.shape)}: expected [n, "
+                             f"{len(self.tap_layers)}, dim]")
+        if rows is not None:
+            run = _run_of(rows := list(rows), len(taps))
+            taps = taps[run] if run is not None else taps[torch.as_tensor(rows, dtype=torch.long)]
+        self._append(taps)
+
+    def _append(self, taps: torch.Tensor) -> None:
         if taps.shape[0]:
             self._pending.append(taps)
             self._pending_len += taps.shape[0]

@@ -10,14 +10,6 @@ them (QueueFull: the server's 429).
 
 Cancellation is a flag: a running request sees it at its next step (its slot is free from that
 step on); a queued one is dropped without touching the engine. A request that fails fails alone.
-
-Streamed text waits for the next forward (Batch.before_forward) or the step's end, whichever
-comes first, to reach the jobs' callbacks: a callback wakes the event loop, which then wants
-the GIL while the engine thread still runs the step's Python (the takes, the next plans), and
-each GIL release inside it (a torch call) hands the loop the GIL until it blocks again. Handed
-over just before the forward releases the GIL, the loop streams while the forward runs
-(docs/results/zen3-s20/). A token's text is late by the Python between its take and the next
-forward, about a millisecond.
 """
 
 from __future__ import annotations
@@ -108,7 +100,6 @@ class EngineWorker:
         self._running: dict[int, tuple[Any, Job, Future]] = {}
         self._wake = threading.Condition()
         self._closed = False
-        self._texts: list[tuple[Job, str]] = []  # streamed text held for _deliver
         # called on the engine thread after each job: (job, result), or (job, None) when the
         # job raised or was cancelled before it started (the server's metrics)
         self.observers: list[Callable[[Job, Any], None]] = []
@@ -165,7 +156,6 @@ class EngineWorker:
         if self.queue_limit is None:
             self.queue_limit = 8 * self.parallel
         engine.batch.max_slots = self.parallel
-        engine.batch.before_forward = self._deliver
         self.engine = engine
         while self._serve_once():
             pass
@@ -183,13 +173,10 @@ class EngineWorker:
         try:
             if not closed:
                 self._admit(batch)
-            done = batch.step()  # after close(): the cancelled requests end here
-            self._deliver()  # a finished request's text before its result
-            for seq in done:
+            for seq in batch.step():  # after close(): the cancelled requests end here
                 self._finish(seq)
         except Exception as err:  # a bug outside any one request: end every admitted one
             log.exception("engine step failed")
-            self._deliver()
             for seq, _, _ in list(self._running.values()):
                 if not seq.finished:
                     seq.fail(err)
@@ -217,8 +204,7 @@ class EngineWorker:
             try:
                 seq = self.engine.new_decode(
                     job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop,
-                    on_text=None if job.on_text is None else self._holder(job),
-                    should_stop=job.cancel.is_set,
+                    on_text=job.on_text, should_stop=job.cancel.is_set,
                     request_id=job.request_id, sampling=job.sampling)
             except Exception as err:  # a request the engine refuses (e.g. too long)
                 self._settle(job, future, None, err)
@@ -227,21 +213,6 @@ class EngineWorker:
             if not batch.join(seq):  # its first chunk runs in the step's prefill forward
                 self._finish(seq)
             budget -= min(len(seq.prompt) - seq.timing.reused_tokens, batch.prefill_chunk)
-
-    def _holder(self, job: Job) -> Callable[[str], None]:
-        """`job`'s text callback for the engine: the text waits for _deliver."""
-        return lambda text: self._texts.append((job, text))
-
-    def _deliver(self) -> None:
-        """The held text to its jobs' callbacks, in the order it was made. A callback that
-        raises cancels its own request only (it stops at its next step)."""
-        texts, self._texts = self._texts, []
-        for job, text in texts:
-            try:
-                job.on_text(text)
-            except Exception:
-                log.exception("a stream's text callback failed: its request is cancelled")
-                job.cancel.set()
 
     def _finish(self, seq: Any) -> None:
         _, job, future = self._running.pop(id(seq))

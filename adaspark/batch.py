@@ -7,15 +7,19 @@ the drafters' layers).
 A step is schedule -> run -> postprocess:
   schedule     every running Decode takes its pending token (stops, length, cancellation);
                those that finished leave and free their slot
-  run          one prefill forward of every prefilling request's next prompt chunk
-               (Transformer.prefill_many); a request whose last chunk ran takes its first
-               token and decodes from this step on; one verify of every decoding request's
-               rows, each over its own KV slot
+  run          the prefilling requests' next prompt chunks (Transformer.prefill_many):
+               those whose prompt ends this step one forward each, shortest first, each
+               taking its first token (streamed) as soon as its own forward ends; the chunks
+               of longer prompts after them, in one forward; then one verify of every
+               decoding request's rows, each over its own KV slot (a request whose prompt
+               ended this step among them)
   postprocess  each request takes its rows' output: commits and picks its next token
-Requests join between steps (`join`: a free slot; its first chunk runs in the next step's
-prefill forward with the others', so requests arriving together wait for one forward, not for
-each other's prefills) and leave at any step; a long prompt is prefilled a chunk per step, so
-the others keep streaming. A slot
+Requests join between steps (`join`: a free slot; its first chunk runs in the next step) and
+leave at any step; a long prompt is prefilled a chunk per step, so the others keep streaming.
+Prompts that arrive together and end in the same step prefill one after another, shortest
+first: a prefill is compute-bound here, so one forward of several prompts costs about their
+sum and each of them waited for all of it; one at a time, each first token waits only for the
+prompts shorter than its own (docs/results/zen3-s20/). A slot
 keeps the ids it holds after its request leaves, so the next request that shares a prefix with
 it (the next turn of a conversation) reuses that prefix; the engine's own cache is slot 0.
 
@@ -108,8 +112,8 @@ class Batch:
         return True
 
     def join(self, seq: Decode) -> bool:
-        """Give `seq` a free slot: its first prompt chunk runs in the next step's prefill
-        forward, with every other request's next chunk. False when it failed."""
+        """Give `seq` a free slot: its first prompt chunk runs in the next step, before the
+        step's verify (step()). False when it failed."""
         if self.full:
             raise RuntimeError("no free slot: check Batch.full before adding")
         try:
@@ -143,8 +147,8 @@ class Batch:
 
     def step(self) -> list[Decode]:
         """Advance every running request by one token; returns those that finished. The
-        prompt chunks run first, in one forward; a request whose last chunk ran streams its
-        first token at once and verifies its next row in this step's call."""
+        prompt chunks run first; a request whose last chunk ran streams its first token as
+        soon as its forward ends and verifies its next row in this step's call."""
         threads.adapt()  # fewer threads while other processes keep cores busy
         live, done, filling = [], [], []
         for seq in self.running:
@@ -152,11 +156,11 @@ class Batch:
                 (filling if _ok(seq, seq.wanted) else done).append(seq)
             else:
                 (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
-        failed = self._prefill(filling)
-        done += failed
-        for seq in filling:
-            if seq not in failed and not seq.prefilling:  # its first token: now
-                (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
+
+        def first_token(seq: Decode) -> None:  # its prompt is in: it streams and decodes now
+            (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
+
+        done += self._prefill(filling, first_token)
         if live:
             failed = self._run(live)
             # ...and those whose round ended the reply (a speculative take() pushes tokens)
@@ -164,20 +168,37 @@ class Batch:
         self.running = [seq for seq in self.running if not seq.finished]
         return done
 
-    def _prefill(self, seqs: list[Decode]) -> list[Decode]:
-        """Each request's next prompt chunk, all in one forward (Transformer.prefill_many);
-        returns those that failed. A shared call that raises changed no cache: it runs again
-        one request at a time, so only the request whose chunk fails is failed."""
+    def _prefill(self, seqs: list[Decode],
+                 first_token: Callable[[Decode], None] | None = None) -> list[Decode]:
+        """Each request's next prompt chunk: the ones that end a prompt a forward each,
+        shortest first, then the others' in one forward; first_token(seq) right after the
+        forward that ended seq's prompt. Returns the requests that failed."""
+        chunks = [seq.next_chunk(self.prefill_chunk) for seq in seqs]
+        ending = sorted((i for i, seq in enumerate(seqs) if seq.prompt_ends(chunks[i])),
+                        key=lambda i: len(chunks[i]))
+        ongoing = [i for i in range(len(seqs)) if i not in ending]
+        failed: list[Decode] = []
+        for group in [[i] for i in ending] + ([ongoing] if ongoing else []):
+            failed += self._forward([seqs[i] for i in group], [chunks[i] for i in group])
+            for i in group:
+                if first_token is not None and seqs[i] not in failed and not seqs[i].prefilling:
+                    first_token(seqs[i])
+        return failed
+
+    def _forward(self, seqs: list[Decode], chunks: list[list[int]]) -> list[Decode]:
+        """These requests' chunks in one forward (Transformer.prefill_many); returns those that
+        failed. A shared call that raises changed no cache: it runs again one request at a
+        time, so only the request whose chunk fails is failed."""
         if not seqs:
             return []
-        chunks = [seq.next_chunk(self.prefill_chunk) for seq in seqs]
         try:  # the drafters' features: the layers every verify taps
             outs = self.target.prefill_many(
                 [seq.slot.kv for seq in seqs], chunks, tap_layers=self.tap_layers,
                 return_logits=any(s.wants_logits(c) for s, c in zip(seqs, chunks, strict=True)))
         except Exception as err:
             if len(seqs) > 1:
-                return [f for seq in seqs for f in self._prefill([seq])]
+                return [f for seq, chunk in zip(seqs, chunks, strict=True)
+                        for f in self._forward([seq], [chunk])]
             seqs[0].fail(err)  # its slot forgets what it held
             return seqs
         failed = []

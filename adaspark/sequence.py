@@ -121,9 +121,13 @@ class Decode:
         """The next `size` prompt tokens to prefill."""
         return self._unfilled[:size]
 
+    def prompt_ends(self, chunk: Seq[int]) -> bool:
+        """Whether `chunk` (next_chunk's) is the prompt's last: its first token follows it."""
+        return len(chunk) == len(self._unfilled)
+
     def wants_logits(self, chunk: Seq[int]) -> bool:
         """Whether prefilling `chunk` needs its logits: the last chunk of a sampled request."""
-        return self.sampler is not None and len(chunk) == len(self._unfilled)
+        return self.sampler is not None and self.prompt_ends(chunk)
 
     def prefilled(self, chunk: list[int], out: Any) -> None:
         """The target's cache holds `chunk` now (out: its prefill's output, alone or in

@@ -47,7 +47,7 @@ def together(engine, requests, joins=None, prefilling=None, prefills=None):
     """Run the requests (kwargs of new_decode, "messages" for the prompt's) in one batch;
     request i joins at step joins[i]. Returns their Decodes and the rows each step verified;
     `prefilling` (a list) gets how many requests were still prefilling after each step, and
-    `prefills` (a list) the chunks of each prefill forward."""
+    `prefills` (a list) the chunks of each prefill forward, with the index of its step."""
     engine.batch.max_slots = len(requests)
     joins = joins or [0] * len(requests)
     seqs = [engine.new_decode(engine.tokenizer.encode_chat(r.pop("messages"))
@@ -61,7 +61,7 @@ def together(engine, requests, joins=None, prefilling=None, prefills=None):
         return verify_many(caches, rows, **kw)
 
     def spy_prefill(caches, chunks, **kw):
-        fills.append([len(c) for c in chunks])
+        fills.append((step, [len(c) for c in chunks]))
         return prefill_many(caches, chunks, **kw)
 
     engine.target.verify_many, engine.target.prefill_many = spy, spy_prefill
@@ -70,10 +70,9 @@ def together(engine, requests, joins=None, prefilling=None, prefills=None):
             for seq, join in zip(seqs, joins, strict=True):
                 if join == step:
                     assert engine.batch.join(seq)  # prefilled in this step's prefill forward
-            before, filled = len(calls), len(fills)
+            before = len(calls)
             engine.batch.step()
             assert len(calls) - before <= 1  # every running row in one forward
-            assert len(fills) - filled <= 1  # every prompt chunk in another
             widths.append(sum(calls[before:]))
             if prefilling is not None:
                 prefilling.append(sum(seq.prefilling for seq in engine.batch.running))
@@ -135,27 +134,45 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_others_stream(eng
     finally:
         engine.batch.prefill_chunk = PREFILL_CHUNK
     assert [engine.result(s).token_ids for s in seqs[:2]] == [g.token_ids for g in solo]
-    # the two long ones joined together: their first chunks in one forward; steps 3-5 ran the
-    # long one's chunks 2-4 beside the short request's rows, step 6 its last chunk, and it
-    # decodes in that step already
-    assert prefills[1:] == [[64, 64], [64], [64], [64], [44]]
+    # the two long ones joined together: their first chunks in one forward (neither prompt
+    # ends there); steps 3-5 ran the long one's chunks 2-4 beside the short request's rows,
+    # step 6 its last chunk, and it decodes in that step already
+    assert [chunks for _, chunks in prefills[1:]] == [[64, 64], [64], [64], [64], [44]]
     assert widths[2:7] == [1, 1, 1, 1, 2] and prefilling[2:7] == [2, 1, 1, 1, 0]
     cancelled = engine.result(seqs[2])  # cancelled between two chunks: no token
     assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == []
 
 
-def test_requests_joining_together_prefill_in_one_forward(engine):
-    """Three arrivals at once: one prefill forward of their three prompts (the third's first
-    token waits for that forward, not for two prefills before its own), and each reply is the
-    one it gets alone."""
-    solo = [alone(engine, p, max_tokens=6).token_ids for p in PROMPTS]
+def test_prompts_ending_together_prefill_shortest_first_each_streaming_at_once(engine):
+    """Three arrivals at once, whose prompts end in the same step: a forward each, shortest
+    prompt first, and each request's first token streams as soon as its own forward ends,
+    before the next prompt's forward (a compute-bound prefill of three prompts in one forward
+    made each wait for all three). Each reply is the one it gets alone, and all three decode
+    in the step of their prefill."""
+    prompts = [[{"role": "user", "content": text}] for text in (  # longest first
+        "Write one sentence about the sea, then one about the mountains, then stop.",
+        "Say hello.", "Name two colours of the rainbow.")]
+    solo = [alone(engine, p, max_tokens=6).token_ids for p in prompts]
     engine.reset()
-    prefills = []
-    seqs, widths = together(engine, [{"messages": p, "max_tokens": 6} for p in PROMPTS],
-                            prefills=prefills)
+    forwards = []
+    prefill_many = engine.target.prefill_many
+
+    def spy(caches, chunks, **kw):  # each forward's prompt, and the first tokens taken so far
+        taken = sum(1 for seq in engine.batch.running if seq.reply.token_ids or seq.reply.done)
+        forwards.append(([len(c) for c in chunks], taken))
+        return prefill_many(caches, chunks, **kw)
+
+    lengths = [len(engine.tokenizer.encode_chat(p)) for p in prompts]
+    assert lengths[0] > lengths[2] > lengths[1]
+    engine.target.prefill_many = spy
+    try:
+        seqs, widths = together(engine, [{"messages": p, "max_tokens": 6} for p in prompts])
+    finally:
+        engine.target.__dict__.pop("prefill_many", None)  # together() removes its own spy
     assert [engine.result(seq).token_ids for seq in seqs] == solo
-    assert len(prefills) == 1 and len(prefills[0]) == 3
-    assert widths[0] == 3  # ...and all three decode in the step of their prefill
+    # one forward each, shortest first; before each, every shorter prompt's first token taken
+    assert forwards == [([n], k) for k, n in enumerate(sorted(lengths))]
+    assert widths[0] == 3
 
 
 def test_prefill_many_is_each_prefill_alone(fast_model):

@@ -25,9 +25,9 @@ from typing import Any
 
 log = logging.getLogger("adaspark.server")
 
-# prompt tokens of arrivals admitted between two steps (their first chunks run in one prefill
-# forward before the step's verify, which the running requests' next tokens wait for, so
-# arrivals join a few at a time; a long prompt goes on a chunk per step)
+# prompt tokens of arrivals admitted between two steps (their first chunks run before the
+# step's verify, which the running requests' next tokens wait for, so arrivals join a few at a
+# time; a long prompt goes on a chunk per step)
 PREFILL_PER_STEP = 512
 MAX_PARALLEL = 8  # past this a CPU step is compute-bound: more rows only slow every request
 RAM_SHARE = 0.25  # of the memory available at load, at most this much goes to KV slots
@@ -210,7 +210,7 @@ class EngineWorker:
                 self._settle(job, future, None, err)
                 continue
             self._running[id(seq)] = (seq, job, future)
-            if not batch.join(seq):  # its first chunk runs in the step's prefill forward
+            if not batch.join(seq):  # its first chunk runs in the next step
                 self._finish(seq)
             budget -= min(len(seq.prompt) - seq.timing.reused_tokens, batch.prefill_chunk)
 

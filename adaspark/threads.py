@@ -72,15 +72,18 @@ class OtherLoad:
 
 class Governor:
     """Adapts torch's thread count to the cores other processes leave free, never above the
-    count the process started with (`--threads`, OMP_NUM_THREADS or torch's default)."""
+    count the process started with (`--threads`, OMP_NUM_THREADS or torch's default). cpus:
+    the machine's (what /proc/stat's busy time is spread over): the others take cores from
+    them, not from our threads, so on 8 CPUs our 2 threads keep both beside 5 busy cores."""
 
     def __init__(self, cores: int | None = None, interval_s: float = 0.25,
                  others: Callable[[], float | None] | None = None,
                  set_threads: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cpus: int | None = None) -> None:
         import torch
 
         self.cores = cores or min(len(os.sched_getaffinity(0)), torch.get_num_threads())
+        self.cpus = max(cpus or os.cpu_count() or self.cores, self.cores)
         self.interval_s = interval_s
         self._others = others or OtherLoad()
         self._set = set_threads or torch.set_num_threads
@@ -104,7 +107,7 @@ class Governor:
         if others is None:
             return self.threads
         taken = math.floor(others + 0.5)  # cores the others keep busy: half a core takes one
-        wanted = max(1, min(self.cores, self.cores - taken))
+        wanted = max(1, min(self.cores, self.cpus - taken))
         if wanted == self.threads:
             self._pending = None
         elif self._pending == wanted:  # two readings in a row: a process, not a blip

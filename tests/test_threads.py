@@ -15,9 +15,10 @@ class Machine:
     def reading(self):
         return self.others.pop(0)
 
-    def governor(self, cores=2):
+    def governor(self, cores=2, cpus=None):
         return threads.Governor(cores=cores, interval_s=0.25, others=self.reading,
-                                set_threads=self.set.append, clock=lambda: self.now)
+                                set_threads=self.set.append, clock=lambda: self.now,
+                                cpus=cpus or cores)
 
     def step(self, g, dt=0.3):
         self.now += dt
@@ -71,6 +72,15 @@ def test_a_light_neighbour_keeps_every_core_and_half_a_core_takes_one(monkeypatc
     m = Machine([0.1, 0.3, 0.45, 0.2, 0.5, 0.7, 0.9])
     g = m.governor()
     assert [m.step(g) for _ in range(7)] == [2, 2, 2, 2, 2, 1, 1] and m.set == [1]
+
+
+def test_the_others_take_cores_from_the_machine_not_from_our_threads(monkeypatch):
+    """Two threads on a machine of four CPUs: one or two busy cores elsewhere leave both of
+    ours; three leave one."""
+    monkeypatch.delenv("ADASPARK_THREADS", raising=False)
+    m = Machine([1.0, 2.0, 2.2, 3.0, 3.1, 0.0, 0.0])
+    g = m.governor(cores=2, cpus=4)
+    assert [m.step(g) for _ in range(7)] == [2, 2, 2, 2, 1, 1, 2] and m.set == [1, 2]
 
 
 def test_the_proc_readings_parse():

@@ -55,13 +55,14 @@ class OtherLoad:
                  clock: Callable[[], float] = time.monotonic, hz: int | None = None) -> None:
         self._busy, self._clock = busy, clock
         self._own_s = own_s or (lambda: (lambda t: t.user + t.system)(os.times()))
-        self.hz = hz or os.sysconf("SC_CLK_TCK")
+        self.hz = hz  # ticks a second: read from the OS at the first reading with a /proc
         self._last: tuple[int, float, float] | None = None
 
     def __call__(self) -> float | None:
         busy = self._busy()
-        if busy is None:
+        if busy is None:  # no /proc (and maybe no sysconf): nothing to read
             return None
+        self.hz = self.hz or os.sysconf("SC_CLK_TCK")
         now = (busy, self._own_s() * self.hz, self._clock())
         last, self._last = self._last, now
         if last is None or now[2] <= last[2]:

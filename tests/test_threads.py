@@ -105,3 +105,14 @@ def test_other_load_is_the_machine_busy_time_less_ours_over_the_wall_time():
     assert abs(load() - 0.5) < 1e-9
     assert load() is None  # no wall time passed
     assert load() == 0.0  # ours exceeds the machine's by rounding of ticks: never negative
+
+
+def test_other_load_without_proc_reads_nothing(monkeypatch):
+    """No /proc/stat (not Linux): no reading, and no call to sysconf, which such a machine may
+    not have."""
+    def no_sysconf(name):
+        raise AttributeError("no sysconf here")
+
+    monkeypatch.setattr(threads.os, "sysconf", no_sysconf)
+    load = threads.OtherLoad(busy=lambda: None)
+    assert load() is None and load() is None

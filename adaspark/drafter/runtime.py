@@ -37,6 +37,15 @@ def _run_of(rows: list[int], n: int) -> slice | None:
     return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
 
 
+def _rows_index(rows: Sequence[int] | None, n: int) -> slice | torch.Tensor:
+    """The index of `rows` among n (None: all of them): a slice where they are a run (a view,
+    no gather), else an index tensor."""
+    if rows is None:
+        return slice(None)
+    run = _run_of(rows := list(rows), n)
+    return run if run is not None else torch.as_tensor(rows, dtype=torch.long)
+
+
 class DrafterCache:
     """Per drafter layer K/V of the context features, positions 0..length-1."""
 
@@ -193,14 +202,8 @@ class Drafter:
         if missing:
             raise ValueError(f"the target forward did not tap layers {missing} for the drafter")
         # stack copies: the target may reuse its output buffers before the next draft
-        if rows is None:
-            taps = torch.stack([hiddens[layer] for layer in self.tap_layers], -2)
-        elif (run := _run_of(rows := list(rows), len(hiddens[self.tap_layers[0]]))) is not None:
-            taps = torch.stack([hiddens[layer][run] for layer in self.tap_layers], -2)
-        else:
-            idx = torch.as_tensor(rows, dtype=torch.long)
-            taps = torch.stack([hiddens[layer][idx] for layer in self.tap_layers], -2)
-        self._append(taps)
+        idx = _rows_index(rows, len(hiddens[self.tap_layers[0]]))
+        self._append(torch.stack([hiddens[layer][idx] for layer in self.tap_layers], -2))
 
     def observe_taps(self, taps: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """observe() of taps already stacked, [n, len(tap_layers), dim] in tap_layers' order,
@@ -209,10 +212,7 @@ class Drafter:
         if taps.dim() != 3 or taps.shape[1] != len(self.tap_layers):
             raise ValueError(f"taps of shape {tuple(taps.shape)}: expected [n, "
                              f"{len(self.tap_layers)}, dim]")
-        if rows is not None:
-            run = _run_of(rows := list(rows), len(taps))
-            taps = taps[run] if run is not None else taps[torch.as_tensor(rows, dtype=torch.long)]
-        self._append(taps)
+        self._append(taps if rows is None else taps[_rows_index(rows, len(taps))])
 
     def _append(self, taps: torch.Tensor) -> None:
         if taps.shape[0]:

@@ -3,6 +3,8 @@ rounds' own records, round by round."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -143,3 +145,13 @@ def test_requests_count_tokens_and_the_ar_arms_rounds():
     assert value("adaspark_prefill_seconds_total") == pytest.approx(0.5)
     assert value("adaspark_rounds_total", kind="plain") == 7
     assert value("adaspark_round_verified_rows_count") == 7
+
+
+def test_garbage_collections_and_frozen_objects_are_exposed():
+    metrics = ServerMetrics()
+    before = samples(metrics)
+    assert ("adaspark_gc_frozen_objects", ()) in before
+    full = before[("python_gc_collections_total", (("generation", "2"),))]
+    gc.collect()
+    after = samples(metrics)
+    assert after[("python_gc_collections_total", (("generation", "2"),))] == full + 1

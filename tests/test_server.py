@@ -461,3 +461,19 @@ def test_serve_command_refuses_a_busy_port():
         busy.listen()
         with pytest.raises(UserError, match="cannot listen on 127.0.0.1"):
             listen("127.0.0.1", busy.getsockname()[1]).close()
+
+
+def test_the_served_engine_loads_then_freezes_the_heap(monkeypatch):
+    import gc
+
+    from adaspark.commands import serve
+    from adaspark.engine import Engine
+
+    loaded = object()
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda path, options: loaded))
+    gc.unfreeze()
+    try:
+        assert serve.load_engine("model.gguf", None) is loaded
+        assert gc.get_freeze_count() > 0  # what the load left alive is out of reach
+    finally:
+        gc.unfreeze()

@@ -15,7 +15,7 @@ import os
 import socket
 
 from adaspark.errors import UserError
-from adaspark.memory import bound_native_heap
+from adaspark.memory import bound_native_heap, freeze_loaded_heap
 from adaspark.options import ModelOptions, add_model_options
 from adaspark.server.auth import ENV_VAR, ApiKey
 
@@ -68,6 +68,17 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def load_engine(model_path, options: ModelOptions):
+    """The server's engine, loaded; then every Python object alive goes out of the garbage
+    collector's reach, so that no full collection walks the model's objects again (one took
+    161-232 ms, every stream waiting: docs/results/zen3-s21/)."""
+    from adaspark.engine import Engine
+
+    engine = Engine.load(model_path, options)
+    freeze_loaded_heap()
+    return engine
+
+
 def run(args: argparse.Namespace) -> int:
     bound_native_heap()  # before torch's first matmul and the model's load (memory.py)
     import uvicorn
@@ -87,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> Engine:
         try:
-            return Engine.load(model_path, options)
+            return load_engine(model_path, options)
         except BaseException as err:
             failure.append(err)
             server.should_exit = True

@@ -6,7 +6,9 @@ round observer): rounds by kind, verified rows and accepted tokens (histograms),
 draft seconds by width (rows verified), commit seconds, acceptance by block position, accepted
 tokens by source, the draft gate's decisions, and the acceptance model's predicted against
 realised tokens. Read at scrape time: requests waiting and running, learned-store saves,
-refusals and failed saves (the reply is delivered, the last good store kept). The `ar` arm has
+refusals and failed saves (the reply is delivered, the last good store kept); Python's garbage
+collections by generation (prometheus-client's GC collector) and the objects frozen out of
+their reach at load (memory.freeze_loaded_heap). The `ar` arm has
 no rounds of its own: its 1-row rounds are counted per request, and have no per-round times.
 
 Round kinds: `probe` (a width measured for the cost model), `plain` (one row, no draft),
@@ -15,11 +17,13 @@ Round kinds: `probe` (a width measured for the cost model), `plain` (one row, no
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
     Info,
     disable_created_metrics,
@@ -69,7 +73,10 @@ class _Live:
         saves.add_metric([], 0 if store is None else store.saves)
         rejections.add_metric([], 0 if store is None else store.rejections)
         failures.add_metric([], 0 if store is None else store.save_failures)
-        return [waiting, running, saves, rejections, failures]
+        frozen = GaugeMetricFamily("adaspark_gc_frozen_objects", "Python objects out of the "
+                                   "garbage collector's reach since the model loaded")
+        frozen.add_metric([], gc.get_freeze_count())
+        return [waiting, running, saves, rejections, failures, frozen]
 
 
 class ServerMetrics:
@@ -80,6 +87,7 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.live = _Live()
         r.register(self.live)
+        GCCollector(registry=r)  # python_gc_collections_total{generation}: a full one stalls
         self.info = Info("adaspark_server", "The model and arm this server runs", registry=r)
         self.requests = Counter("adaspark_requests", "Requests the engine finished, by finish "
                                 "reason (error: the engine raised)", ["finish_reason"], registry=r)

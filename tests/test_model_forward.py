@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from adaspark.errors import UserError
+
 pytestmark = pytest.mark.slow
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 2657, 30, 216]  # any in-vocabulary ids
@@ -163,3 +165,15 @@ def test_batched_hidden_states_match_prefill_taps(fast_model):
             assert_rows_close(got[layer], out.hiddens[layer], 5e-2)  # may differ in kernel
         assert int(got["argmax"][-1]) == int(out.argmax[-1])
         assert got["logits"].shape == (len(seq), model.config.vocab_size)
+
+
+@pytest.mark.parametrize("bad", [-1, 49152, 10**7])
+def test_verify_refuses_a_token_outside_the_vocabulary_as_list_or_tensor(fast_model, bad):
+    length = fast_model.cache.length
+    for tokens in ([5, bad], (bad,), torch.tensor([bad, 7])):
+        n = len(tokens)
+        mask = np.tril(np.ones((n, n), dtype=bool))
+        with pytest.raises(UserError, match="token id out of range for a vocabulary of 49152"):
+            fast_model.verify(tokens, list(range(n)), mask)
+    assert fast_model.cache.length == length
+    assert int(fast_model.verify([49151], [0], [[True]]).argmax[0]) >= 0  # the last id is in

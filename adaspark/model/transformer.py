@@ -532,16 +532,16 @@ class Transformer:
                                                   enable_gqa=True, scale=c.attn_scale)
         return attn.transpose(1, 2).reshape(b * n, q_width).to(self.act_dtype)
 
-    @torch.no_grad()
     def _head(self, rows: torch.Tensor, kernel: str, return_logits: bool) -> ForwardOut:
         """LM head over final-normed rows [m, dim]."""
-        if kernel.startswith("native"):
+        if kernel.startswith("native"):  # no autograd in a native call: no context to enter
             logits, argmax = self.native.head(rows.float())
             return ForwardOut(argmax, logits if return_logits else None)
-        logits = self.output(rows.to(self.act_dtype), kernel).float()
-        if not self.exact:
-            logits = self._refine_top(rows, logits)
-        return ForwardOut(logits.argmax(-1), logits if return_logits else None)
+        with torch.no_grad():
+            logits = self.output(rows.to(self.act_dtype), kernel).float()
+            if not self.exact:
+                logits = self._refine_top(rows, logits)
+            return ForwardOut(logits.argmax(-1), logits if return_logits else None)
 
     def _refine_top(self, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Fast kernels round logits to bf16 (8 significant bits): near the top, ties and swaps
@@ -558,11 +558,22 @@ class Transformer:
         logits[row, col] = (rows[row] * weights).sum(-1)
         return logits
 
+    @cached_property
+    def _vocab_rows(self) -> int:
+        return self._weights.raw("token_embd.weight").shape[0]
+
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        t = torch.as_tensor(tokens if isinstance(tokens, torch.Tensor) else list(tokens),
-                            dtype=torch.long, device=self.device)
-        vocab = self._weights.raw("token_embd.weight").shape[0]
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        """Token ids as a long tensor, each checked against the vocabulary (a step's few ids
+        are checked as Python ints: two tensor reductions cost more than the check)."""
+        vocab = self._vocab_rows
+        if isinstance(tokens, torch.Tensor):
+            t = tokens.to(dtype=torch.long, device=self.device)
+            bad = t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab)
+        else:
+            ids = tokens if isinstance(tokens, list) else list(tokens)
+            bad = ids and (min(ids) < 0 or max(ids) >= vocab)
+            t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if bad:
             raise UserError(f"token id out of range for a vocabulary of {vocab}")
         return t
 
@@ -577,7 +588,7 @@ class Transformer:
             x, hiddens = self.native.forward(
                 self.cache.k, self.cache.v, self._tokens(tokens), start + depths, start,
                 ancestors, taps)
-            return x, dict(zip(taps, hiddens, strict=True)), kernel
+            return x, {layer: hiddens[i] for i, layer in enumerate(taps)}, kernel
         span = start + n
         mask = tree = None
         if exact_tree:
@@ -665,8 +676,12 @@ class Transformer:
         in one call, with the native head (its rows do not depend on their neighbours), where
         each sequence's verify alone would run native; else one sequence after another."""
         taps = sorted(set(tap_layers))
+        if len(caches) == 1:  # the sequence's own verify, with nothing to join
+            (tokens, depths, mask), = rows
+            with self.using(caches[0]):
+                return self.verify(tokens, depths, mask, taps, return_logits=return_logits)
         alone_native = all(self.kernels.choose(len(r[0])).startswith("native") for r in rows)
-        if self.native is None or len(caches) == 1 or not alone_native:
+        if self.native is None or not alone_native:
             outs = []
             for cache, (tokens, depths, mask) in zip(caches, rows, strict=True):
                 with self.using(cache):

@@ -16,7 +16,7 @@ A user's own setting of any of these (environment, GLIBC_TUNABLES) is left as it
 
 And one on the Python heap: once the model has loaded, its ~180k Python objects (the
 tokenizer's vocabulary, the weights' wrappers, the modules) go out of the cyclic collector's
-reach (`freeze_loaded_heap`). A full collection walked them all: 140-214 ms, every stream of the
+reach (`freeze_loaded_heap`). A full collection walked them all: 161-232 ms, every stream of the
 server stalled, once a minute in a 3-client soak (docs/results/zen3-s21/).
 """
 

@@ -21,6 +21,11 @@ drafting arm) for the speculative arms (docs/batching.md).
 mostly prefill, which batching does not make cheaper; and a server that keeps past prompts in a
 RAM prompt cache, as llama-server does, prefills the N > 1 passes' repeated prompts for free).
 
+After the table, per arm: the p95 time to first token over N = 1, beside the p95 that the N = 1
+pass's own first tokens predict if every N prompts arrived together and prefilled one after
+another at their solo cost (wave_ttft): on a CPU, where a prefill is compute-bound, no server
+can give the last prompt of such a wave its first token before the others' prefills are done.
+
 --mixed M then sends M mixed requests over the largest N clients (streamed and not, some
 cancelled after three deltas, some malformed) and reports 5xx answers (there should be none),
 completed replies equal to the same request sent alone, and the server's peak RSS.
@@ -109,6 +114,27 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
+def wave_ttft(solo: list[float | None], n: int) -> list[float]:
+    """First tokens as the N = 1 pass's predict them if every n requests arrived together (as
+    they do here: capped replies end together, so the clients ask again together) and each
+    wave's prompts prefilled one after another, shortest first, at what each cost alone: where
+    a prefill is compute-bound, a forward of several prompts costs about their sum, so the
+    k-th of a wave waits for its own prefill and the k - 1 before it. The part of a first token
+    one prompt does not add to another's (the request's handling, the first step) is taken as
+    the fastest solo first token, an overestimate, which keeps the prediction low. Requests in
+    queue order, waves of n consecutive ones; failed ones are left out."""
+    times = [t for t in solo if t is not None]
+    if not times:
+        return []
+    fixed, predicted = min(times), []
+    for w in range(0, len(times), n):
+        waited = 0.0
+        for t in sorted(times[w:w + n]):
+            waited += t - fixed
+            predicted.append(fixed + waited)
+    return predicted
+
+
 def run_clients(url: str, requests: list[tuple[list[dict], list[dict] | None]], n: int,
                 cap: int) -> tuple[list[StreamedReply | None], float]:
     """The requests over n concurrent clients; their replies (None: failed) and wall seconds."""
@@ -144,15 +170,18 @@ def summarise(n: int, replies: list[StreamedReply | None], wall_s: float,
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     speeds = [r.tok_s for r in done if r.tok_s is not None]
     tokens = sum(r.completion_tokens for r in done)
-    same = None
+    same, waves = None, None
     if solo is not None:
         same = sum(1 for a, b in zip(replies, solo, strict=True)
                    if a is not None and b is not None and a.text == b.text)
+        waves = percentile(wave_ttft([None if r is None else r.ttft_s for r in solo], n), 0.95)
     return {"clients": n, "requests": len(replies), "failed": len(replies) - len(done),
             "tokens": tokens, "wall_s": wall_s, "aggregate_tok_s": tokens / wall_s,
             "decode_tok_s_median": statistics.median(speeds) if speeds else None,
             "ttft_median_s": statistics.median(ttft) if ttft else None,
             "ttft_p95_s": percentile(ttft, 0.95), "same_as_solo": same,
+            # the p95 the solo first tokens predict for waves of n prompts (wave_ttft)
+            "ttft_p95_waves_s": waves,
             # each request's, in request order (None: failed): where the tail comes from
             "ttft_s": [None if r is None else r.ttft_s for r in replies]}
 
@@ -337,6 +366,15 @@ def main(argv=None) -> int:
         if 1 in mine and len(mine) > 1:
             ratios = ", ".join(f"N={n}: {mine[n] / mine[1]:.2f}x" for n in sorted(mine) if n != 1)
             print(f"{arm}: aggregate over N=1: {ratios}")
+        solo = [r for r in rows if r["arm"] == arm and r.get("clients") == 1]
+        tails = [r for r in rows if r["arm"] == arm and (r.get("clients") or 1) > 1
+                 and r.get("ttft_p95_s") and r.get("ttft_p95_waves_s")]
+        if solo and solo[0].get("ttft_p95_s") and tails:
+            p1 = solo[0]["ttft_p95_s"]
+            print(f"{arm}: p95 time to first token over N=1: " + ", ".join(
+                f"N={r['clients']}: {r['ttft_p95_s'] / p1:.2f}x (waves of N prompts prefilled "
+                f"one after another at their solo cost: {r['ttft_p95_waves_s'] / p1:.2f}x)"
+                for r in tails))
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine, "settings": vars(args) | {
             "data": str(args.data), "json": str(args.json)}, "rows": rows}, indent=1))

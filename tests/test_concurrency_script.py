@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import concurrency  # noqa: E402
 
@@ -46,3 +48,22 @@ def test_summary_keeps_each_requests_time_to_first_token_in_order():
     assert row["ttft_s"] == [0.3, None, 0.1, 0.2]  # the failed one kept its place
     assert row["ttft_median_s"] == 0.2 and row["failed"] == 1 and row["same_as_solo"] == 2
     assert row["aggregate_tok_s"] == 6.0
+
+
+def test_waves_of_prompts_wait_for_the_shorter_ones_before_them():
+    # fixed part 0.1 (the fastest solo first token); waves of two in queue order, shortest first
+    predicted = concurrency.wave_ttft([0.1, 0.3, 0.2, 0.1, 0.5], 2)
+    assert predicted == pytest.approx([0.1, 0.3, 0.1, 0.2, 0.5])
+    assert concurrency.wave_ttft([0.2, None, 0.4], 1) == pytest.approx([0.2, 0.4])
+    assert concurrency.wave_ttft([None], 4) == []
+
+
+def test_summary_predicts_the_waves_tail_from_the_solo_first_tokens():
+    def reply(ttft):
+        return SimpleNamespace(ttft_s=ttft, tok_s=10.0, completion_tokens=4, text="t")
+
+    solo = [reply(t) for t in (0.1, 0.2, 0.3, 0.4)]
+    row = concurrency.summarise(4, [reply(0.5)] * 4, 1.0, solo)
+    # one wave of four: 0.1, 0.2, 0.4, 0.7; its p95 by linear interpolation
+    assert row["ttft_p95_waves_s"] == pytest.approx(0.4 + 0.85 * 0.3)
+    assert concurrency.summarise(1, solo, 1.0, None)["ttft_p95_waves_s"] is None

@@ -360,17 +360,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:
         for arm in arms:
             rows += bench_arm(arm, clients, requests, args, Path(tmp))
-    for arm in arms:
-        mine = {r["clients"]: r["aggregate_tok_s"] for r in rows
-                if r["arm"] == arm and "aggregate_tok_s" in r}
-        if 1 in mine and len(mine) > 1:
-            ratios = ", ".join(f"N={n}: {mine[n] / mine[1]:.2f}x" for n in sorted(mine) if n != 1)
-            print(f"{arm}: aggregate over N=1: {ratios}")
-        solo = [r for r in rows if r["arm"] == arm and r.get("clients") == 1]
-        tails = [r for r in rows if r["arm"] == arm and (r.get("clients") or 1) > 1
-                 and r.get("ttft_p95_s") and r.get("ttft_p95_waves_s")]
-        if solo and solo[0].get("ttft_p95_s") and tails:
-            p1 = solo[0]["ttft_p95_s"]
+    for arm in arms:  # the arm's table rows by N (a mixed run's row has no aggregate)
+        by_n = {r["clients"]: r for r in rows if r["arm"] == arm and "aggregate_tok_s" in r}
+        solo, more = by_n.get(1), [by_n[n] for n in sorted(by_n) if n != 1]
+        if solo is None or not more:
+            continue
+        print(f"{arm}: aggregate over N=1: " + ", ".join(
+            f"N={r['clients']}: {r['aggregate_tok_s'] / solo['aggregate_tok_s']:.2f}x"
+            for r in more))
+        tails = [r for r in more if r["ttft_p95_s"] and r["ttft_p95_waves_s"]]
+        if solo["ttft_p95_s"] and tails:
+            p1 = solo["ttft_p95_s"]
             print(f"{arm}: p95 time to first token over N=1: " + ", ".join(
                 f"N={r['clients']}: {r['ttft_p95_s'] / p1:.2f}x (waves of N prompts prefilled "
                 f"one after another at their solo cost: {r['ttft_p95_waves_s'] / p1:.2f}x)"

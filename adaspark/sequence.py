@@ -28,7 +28,7 @@ from adaspark.model.transformer import PREFILL_CHUNK
 from adaspark.sampling import Sampler
 
 if TYPE_CHECKING:
-    from adaspark.engine import Reply, Timing
+    from adaspark.request import Reply, Timing
 
 StopRequest = Callable[[], bool]  # polled between forwards; True cancels the request
 ONE_ROW = (np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))  # depth 0, sees itself

@@ -53,7 +53,7 @@ from adaspark.scheduler.tree import Block
 from adaspark.sequence import Decode
 
 if TYPE_CHECKING:
-    from adaspark.engine import Timing
+    from adaspark.request import Timing
 
 _log = logging.getLogger(__name__)
 # While other requests run, a finished request's learned state waits for the batch's last one to

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from adaspark.drafter.loading import load_drafter
-from adaspark.engine import Engine, Timing
+from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
+from adaspark.request import Timing
 from adaspark.sampling import SamplingParams
 from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate

@@ -3,15 +3,15 @@ timing.
 
 One `Engine` owns a target `Transformer` (its KV cache holds the conversation so far) and the
 model's `Tokenizer`. A request renders the messages through the chat template, reuses the cached
-prefix it shares with the previous request, prefills the rest, then decodes. Plain decoding is
-the 1-row case of the target's verify path (row at depth 0, then commit it), run step by step
-by sequence.py's `Decode` in batch.py's `Batch` (alone here, beside other requests in the
-server); the speculative arms of the paper's Algorithm 1 run as speculative.py's rounds over
-the same `Reply` (alone through Speculator.decode; as RoundDecodes in the server's batch,
-each slot with its own drafter), which applies every stop (stop token, stop string, max
-tokens) token by token, so a round that accepts several tokens at once stops at exactly the
-same place. Sampling (sampling.py) replaces each row's argmax by its position-keyed Gumbel-max
-pick; greedy requests never build a Sampler.
+prefix it shares with the previous request, prefills the rest, then decodes. Every arm decodes
+step by step in batch.py's `Batch`: a request alone here is a batch of one, the server runs
+several in the same loop. Plain decoding (`ar`) is sequence.py's `Decode`, the 1-row case of
+the target's verify path (row at depth 0, then commit it); a speculative arm is
+speculative.py's `RoundDecode`, one round of the paper's Algorithm 1 a step (each slot with its
+own drafter). Both push into request.py's `Reply`, which applies every stop (stop token, stop
+string, max tokens) token by token, so a round that accepts several tokens at once stops at
+exactly the same place. Sampling (sampling.py) replaces each row's argmax by its position-keyed
+Gumbel-max pick; greedy requests never build a Sampler.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from adaspark.model.tokenizer import Tokenizer
 from adaspark.options import ModelOptions
 from adaspark.request import Generation, Reply, TextCallback, Timing
 from adaspark.sampling import Sampler, SamplingParams
-from adaspark.sequence import Decode, StopRequest, prefill
+from adaspark.sequence import Decode, StopRequest
 from adaspark.speculative import RoundDecode, Speculator, load_speculator
 
 __all__ = ["Engine"]
@@ -46,7 +46,7 @@ class Engine:
         self.speculator = speculator  # None: plain decoding (the `ar` arm)
         # the tokens whose K/V sit in target.cache (and the drafter's): their one owner
         self.cache = CachedTokens(target, speculator.drafter if speculator else None)
-        # plain decoding's running requests, the engine's own cache their first slot; the
+        # the running requests (every arm's), the engine's own cache their first slot; the
         # server lets several run at once (max_slots), a request alone runs by itself
         self.batch = Batch(target, self.cache, self.context_length)
         if speculator is not None:  # the shared row budget; the shared call's time
@@ -127,23 +127,17 @@ class Engine:
                      request_id: str | None = None,
                      sampling: SamplingParams | None = None) -> Generation:
         """Continuation of prompt token ids (the chat template already applied), greedy unless
-        `sampling` says otherwise. request_id names the request in the round log. Plain
-        decoding runs as a batch of one (batch.py): not while a server drives the batch."""
+        `sampling` says otherwise. request_id names the request in the round log. Every arm
+        runs as a batch of one (batch.py): not while a server drives the batch."""
         seq = self.new_decode(prompt, max_tokens=max_tokens, stop=stop, on_text=on_text,
                               should_stop=should_stop, request_id=request_id, sampling=sampling)
-        if self.speculator is None:
-            try:
-                if self.batch.add(seq):
-                    while not seq.finished:
-                        self.batch.step()
-            except BaseException as err:  # e.g. Ctrl-C: the next request starts clean
-                self.batch.drop(seq, err)
-                raise
-        else:
-            first = prefill(self.target, self.cache, seq.prompt, seq.timing, seq.sampler,
-                            self.speculator)
-            self._decode_speculative(first, seq.reply, seq.timing, should_stop, request_id,
-                                     seq.sampler)
+        try:
+            if self.batch.add(seq):
+                while not seq.finished:
+                    self.batch.step()
+        except BaseException as err:  # e.g. Ctrl-C: the next request starts clean
+            self.batch.drop(seq, err)
+            raise
         if seq.error is not None:
             raise seq.error
         return self.result(seq)
@@ -166,7 +160,7 @@ class Engine:
             sampler = Sampler(sampling, self.target.config.vocab_size)
         parts = (prompt, Reply(self.tokenizer, max_tokens, stop, on_text),
                  Timing(prompt_tokens=len(prompt)), sampler, should_stop, request_id)
-        if self.speculator is not None:  # its rounds as batch steps, should a batch run it
+        if self.speculator is not None:  # a round a batch step
             return RoundDecode(self.speculator, *parts)
         return Decode(*parts)
 
@@ -183,13 +177,3 @@ class Engine:
                           stop_token_id=reply.stop_token_id, timings=seq.timing,
                           seed=sampler.seed if sampler is not None else None,
                           logprobs=logprobs)
-
-    def _decode_speculative(self, token: int, reply: Reply, timing: Timing,
-                            should_stop: StopRequest | None, request_id: str | None,
-                            sampler: Sampler | None = None) -> None:
-        """Algorithm 1's rounds (speculative.py); the same Reply applies every stop."""
-        self.speculator.decode(token, reply, self.cache, self.context_length, timing,
-                               should_stop, request_id, sampler)
-        # tokens produced after the first, as plain decoding counts them (a stop token included)
-        produced = len(reply.token_ids) + (reply.stop_token_id is not None)
-        timing.decode_tokens = max(0, produced - 1)

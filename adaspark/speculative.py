@@ -281,11 +281,7 @@ class Speculator:
     def tap_layers(self) -> tuple[int, ...]:
         return () if self.drafter is None else tuple(self.drafter.tap_layers)
 
-    # ----- caches --------------------------------------------------------------------------
-    def reset(self) -> None:
-        if self.drafter is not None:
-            self.drafter.reset()
-
+    # ----- the batch's rounds (RoundDecode) ------------------------------------------------
     def share_rows(self, seqs: list, rows: list[tuple]) -> list[tuple]:
         """Batch.before_verify: the shared row budget (docs/round.md, "Under load"). Each
         request's plain row first, then every request's planned candidates best-first by Q,

@@ -40,21 +40,29 @@ from adaspark.model import synthetic as syn
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "llamacpp_logits"
-N_CTX = 256
+N_CTX = 512
 TOP_K = 64  # llama.cpp's largest logits kept per position of the big vocabulary
 FULL_AT = (1, 0.5, -1)  # positions whose whole row is kept: the second, the middle, the last
 CONTINUATION = 16  # llama.cpp's greedy tokens appended to each prompt
 
-SMOLLM2_PROMPTS = (  # (chat messages, or raw text to continue)
-    [{"role": "user", "content": "Explain in two sentences why the sky is blue."}],
+SMOLLM2_PROMPTS = (  # (chat messages, or raw text to continue); the first long enough that
+    # positions reach past 150, where a wrong RoPE moves the logits most
+    [{"role": "system", "content": "You are a careful assistant who answers in plain words."},
+     {"role": "user", "content": (
+         "I am writing a short guide for new gardeners. Tomatoes in my raised bed grew tall "
+         "and green but set very little fruit this summer; the bed gets about six hours of "
+         "sun, I watered every evening, and I fed the plants a high-nitrogen fertiliser every "
+         "two weeks. Nights were warm, often above 24 degrees. Explain in a few sentences "
+         "what most likely went wrong, what I should change next year, and why each change "
+         "helps. Keep it friendly and avoid jargon.")}],
     "The printing press, invented by Johannes Gutenberg around 1440, changed Europe because",
 )
 KQUANT_RECIPE = syn.Recipe(
     "qwen3", syn.SHAPES["tiny"], syn.Q.Q4_K,
     {"attn_v": syn.Q.Q5_K, "ffn_down": syn.Q.Q6_K, "token_embd": syn.Q.Q6_K}, seed=40)
 KQUANT_PROMPTS = (  # ids: a fixed random draw, and a repeating pattern (attention to copies)
-    [int(t) for t in np.random.default_rng(40).integers(0, 512, 40)],
-    [17, 301, 88, 455, 260, 9, 123] * 6,
+    [int(t) for t in np.random.default_rng(40).integers(0, 512, 160)],
+    [17, 301, 88, 455, 260, 9, 123] * 12,
 )
 
 

@@ -89,6 +89,12 @@ class SamplingParams:
             replace(self, seed=secrets.randbits(DRAWN_SEED_BITS))
 
 
+def shifted_seed(seed: int, offset: int) -> int:
+    """seed + offset (choice i of n: seed + i), wrapped into [MIN_SEED, MAX_SEED]: the same
+    noise key (seed mod 2^64), and a seed a request may send to replay that choice alone."""
+    return (seed + offset - MIN_SEED) % (1 << 64) + MIN_SEED
+
+
 def derived_seed(base: int, *parts: object) -> int:
     """A seed for one request of a benchmark, from its base seed and where it sits (e.g. the
     conversation and turn): every arm sends the same, so their replies can be compared."""

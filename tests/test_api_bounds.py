@@ -293,6 +293,16 @@ def test_a_drawn_seed_is_javascript_safe_and_replays(served):
 
 
 @pytest.mark.slow
+def test_the_choices_of_the_largest_seed_wrap_and_replay(served):
+    base = served["base"]
+    body = {"messages": HI, "max_tokens": 3, "temperature": 1.0}
+    both = post(base, {**body, "seed": MAX_SEED, "n": 2})
+    assert both.status_code == 200, both.text
+    second = post(base, {**body, "seed": MIN_SEED}).json()  # choice 1 used MAX_SEED + 1
+    assert both.json()["choices"][1]["message"] == second["choices"][0]["message"]
+
+
+@pytest.mark.slow
 def test_a_full_queue_between_choices_keeps_the_choices_decoded(served):
     worker, fillers = served["worker"], []
 

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from adaspark.errors import UserError
 from adaspark.model.tokenizer import StreamDecoder
+from adaspark.sampling import shifted_seed
 from adaspark.server.auth import ApiKey, ApiKeyMiddleware, is_open
 from adaspark.server.errors import (
     BodyLimitMiddleware,
@@ -328,7 +329,7 @@ def busy_response() -> JSONResponse:
 def choice_sampling(sampling: Any, index: int) -> Any:
     """Choice `index` of n: its own seed, so the n samples differ and each can be reproduced."""
     return sampling if index == 0 or sampling.seed is None else \
-        replace(sampling, seed=sampling.seed + index)
+        replace(sampling, seed=shifted_seed(sampling.seed, index))
 
 
 class Reply:

@@ -389,6 +389,33 @@ def test_requests_take_turns_through_tokenising(served, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_request_that_waited_its_turn_is_refused_unparsed_if_the_queue_filled(served,
+                                                                                monkeypatch):
+    base, worker, turns = served["base"], served["worker"], served["app"].state.turns
+    tokenizer, gate = worker.engine.tokenizer, threading.Event()
+    encode_chat = tokenizer.encode_chat
+
+    def held_encode(*args, **kw):
+        gate.wait(120)
+        return encode_chat(*args, **kw)
+
+    monkeypatch.setattr(tokenizer, "encode_chat", held_encode)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, base, {"messages": HI, "max_tokens": 2})
+        _wait(lambda: turns.working == 1 and worker.held == 1, "the first one tokenising")
+        second = pool.submit(post, base, b"{not json")
+        _wait(lambda: turns.waiting == 1, "the second one waiting its turn")
+        place = worker.reserve(threading.Event())  # the last place goes meanwhile
+        try:
+            gate.set()
+            refused = second.result()
+            assert refused.status_code == 429, refused.text  # never parsed: not a 400
+            assert first.result().status_code == 200
+        finally:
+            place.release()
+
+
+@pytest.mark.slow
 def test_a_queued_client_that_left_frees_its_place_for_a_live_one(served, monkeypatch):
     base, worker = served["base"], served["worker"]
     url, batch, go = base + "/v1/chat/completions", worker.engine.batch, threading.Event()

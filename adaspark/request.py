@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from adaspark.model.tokenizer import StreamDecoder, Tokenizer
 from adaspark.scheduler.record import RoundRecord
+from adaspark.stops import StopScanner
 
 TextCallback = Callable[[str], None]
 
@@ -86,13 +87,14 @@ class Reply:
     """The reply under construction: applies stops token by token and streams safe text.
 
     Text that might be the start of a stop string is held back from the stream until the next
-    tokens show it is not, so no text past a stop is ever streamed or returned.
+    tokens show it is not, so no text past a stop is ever streamed or returned. The stop
+    strings are matched as the text grows (stops.py), never rescanned from scratch per token.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (),
                  on_text: TextCallback | None = None):
         self._stop_ids = tokenizer.stop_ids
-        self._stops = [s for s in stop if s]
+        self._stops = StopScanner(stop)
         self._max_tokens = max_tokens
         self._decoder: StreamDecoder = tokenizer.stream_decoder()
         self._on_text = on_text
@@ -113,18 +115,14 @@ class Reply:
             self.stop_token_id = token_id
             return self._finish("stop")
         self.token_ids.append(token_id)
-        before = len(self.text)
-        self.text += self._decoder.push(token_id)
-        if self._stops:
-            longest = max(len(s) for s in self._stops)
-            window_start = max(0, before - longest + 1)
-            hits = [i for s in self._stops if (i := self.text.find(s, window_start)) != -1]
-            if hits:
-                self.text = self.text[:min(hits)]
-                return self._finish("stop", flush=False)
+        piece = self._decoder.push(token_id)
+        self.text += piece
+        if self._stops and (start := self._stops.feed(piece)) is not None:
+            self.text = self.text[:start]
+            return self._finish("stop", flush=False)
         if len(self.token_ids) >= self._max_tokens:
             return self._finish("length")
-        self._stream(len(self.text) - self._held_back())
+        self._stream(len(self.text) - self._stops.held)
         return False
 
     def end(self, reason: str) -> None:
@@ -138,14 +136,6 @@ class Reply:
         self.finish_reason = reason
         self._stream(len(self.text))
         return True
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        for n in range(min(len(self.text), max((len(s) for s in self._stops), default=0)), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
 
     def _stream(self, upto: int) -> None:
         if upto > self._streamed:

@@ -26,6 +26,12 @@ from adaspark.errors import UserError
 
 MAX_TOP_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
+# A drawn seed has 52 bits: it and seed + i of every choice of n stay below 2^53, the integers
+# a JavaScript client (openai-node) holds exactly, so it can send the seed back and replay.
+DRAWN_SEED_BITS = 52
+# Seeds a request may give: int64, as vLLM takes them; each maps to its own noise key (seed mod
+# 2^64), so every accepted seed replays exactly what it drew (and every seed ever returned fits).
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 
 
 class SamplingError(UserError):
@@ -54,7 +60,9 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
              "must be an integer >= 0"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "must be an integer"),
+            (self.seed is None or (isinstance(self.seed, int)
+                                   and MIN_SEED <= self.seed <= MAX_SEED), "seed",
+             "must be an integer in [-2^63, 2^63 - 1]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (isinstance(self.top_logprobs, int)
@@ -77,7 +85,14 @@ class SamplingParams:
 
     def with_seed(self) -> SamplingParams:
         """A seed drawn where none was given, so that any reply can be reproduced."""
-        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+        return self if self.seed is not None else \
+            replace(self, seed=secrets.randbits(DRAWN_SEED_BITS))
+
+
+def shifted_seed(seed: int, offset: int) -> int:
+    """seed + offset (choice i of n: seed + i), wrapped into [MIN_SEED, MAX_SEED]: the same
+    noise key (seed mod 2^64), and a seed a request may send to replay that choice alone."""
+    return (seed + offset - MIN_SEED) % (1 << 64) + MIN_SEED
 
 
 def derived_seed(base: int, *parts: object) -> int:
@@ -178,7 +193,7 @@ class Sampler:
                                                 p.presence_penalty), dtype=torch.float32)
                     x[i, t] = logits[i, t].float() - pen
         if p.temperature > 0:
-            x = x / p.temperature
+            x = over_temperature(x, p.temperature)
         elif x is logits:
             x = x.clone()
         return x
@@ -217,6 +232,21 @@ class Sampler:
             vals, ids = lp.topk(self.params.top_logprobs)
             entry["top"] = [(int(i), float(v)) for i, v in zip(ids, vals, strict=True)]
         self.logprobs.append(entry)
+
+
+def over_temperature(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / T per row, in float32. A row that this overflows (T tiny: 10 / 1e-40 is past
+    float32's range, and below ~1.4e-45 T itself rounds to 0) is divided in float64 after its
+    max is taken away: the same softmax, its top 0 and the rest at most 0 (-inf where they
+    underflow), so the Gumbel-max pick is its argmax (a draw among exact ties) and every
+    logprob is finite or -inf, never NaN. Finite rows keep the plain division's bits, so seeded
+    replies stay what they were."""
+    y = x / temperature
+    bad = ~torch.isfinite(y).all(-1)
+    if bad.any():
+        rows = x[bad].double()
+        y[bad] = ((rows - rows.max(-1, keepdim=True).values) / temperature).float()
+    return y
 
 
 def allowed_floor(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor | None:

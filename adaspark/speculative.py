@@ -241,6 +241,15 @@ class RoundDecode(Decode):
         return False
 
 
+def open_round_log(path: Path) -> IO[str]:
+    """The round log opened for appending (its folder made); UserError when it cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a", encoding="utf-8")  # noqa: SIM115
+    except OSError as err:
+        raise UserError(f"cannot write the round log {path}: {err.strerror or err}") from None
+
+
 class Speculator:
     """The drafter, scheduler, learned store and round log an engine decodes speculatively with.
 
@@ -260,7 +269,9 @@ class Speculator:
         self.stop_ids = sorted(int(t) for t in stop_ids)
         self.store = store
         self.round_log_path = Path(round_log) if round_log else None
-        self._log: IO[str] | None = None
+        # opened now: a file that cannot be written fails the load, not every request
+        self._log: IO[str] | None = \
+            open_round_log(self.round_log_path) if self.round_log_path else None
         self.round_hook: RoundHook | None = None
         # called after every round with its round-log record and plan (the server's metrics)
         self.observers: list[Callable[[dict, Plan], None]] = []
@@ -409,13 +420,8 @@ class Speculator:
     def _write(self, record: dict) -> None:
         if self.round_log_path is None:
             return
-        if self._log is None:
-            try:
-                self.round_log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log = open(self.round_log_path, "a", encoding="utf-8")  # noqa: SIM115
-            except OSError as err:
-                raise UserError(f"cannot write the round log {self.round_log_path}: "
-                                f"{err.strerror or err}") from None
+        if self._log is None:  # closed, and decoding again
+            self._log = open_round_log(self.round_log_path)
         self._log.write(json.dumps(record) + "\n")
 
     def _end_request(self, request: RequestState | None = None, beside: bool = False) -> None:

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import socket
+from pathlib import Path
 
 from adaspark.errors import UserError
 from adaspark.memory import bound_native_heap, freeze_loaded_heap
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from adaspark.engine import Engine
     from adaspark.model.sources import resolve_model
     from adaspark.server import create_app
+    from adaspark.speculative import open_round_log
 
     # Bad options fail here, at once, rather than after the port has opened (--arm: argparse).
     key = api_key(args)
@@ -94,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least 1, not {value}")
     options = ModelOptions.from_args(args)
     model_path = resolve_model(options.model)
+    if options.round_log:  # the server's file: not each request's failure (a 400) later
+        open_round_log(Path(options.round_log)).close()
     failure: list[BaseException] = []
 
     def load() -> Engine:

@@ -3,7 +3,13 @@
 
 Requests are parsed and tokenised on the event loop's side; generation runs on the engine's own
 thread (see worker.py), several plain-decoding requests at once in one batch (`parallel`), the rest
-queued in arrival order; past the queue's bound a request gets 429 with Retry-After. Any model name
+queued in arrival order; past the queue's bound a request gets 429 with Retry-After, before its
+body is parsed or tokenised (checked on arrival, and again when its turn to parse comes: at most
+one request per core parses, renders and tokenises at once). A request takes its place in the
+queue before its prompt is tokenised and before a stream's 200 goes out, and keeps it across its n
+choices, so no choice of an admitted request is ever refused. Every stream ends in `data: [DONE]`,
+after an OpenAI error object when a choice failed; NaN never appears in JSON, and logprobs are
+floored at LOGPROB_FLOOR (a -inf beside a tiny temperature's certain pick). Any model name
 is accepted in a request: the server serves exactly one model, and echoes its id in every response.
 A prompt that fills the context is refused (400, context_length_exceeded); otherwise the reply may
 run to max_tokens or to the end of the context, whichever comes first (finish_reason "length").
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
 import uuid
@@ -33,6 +40,7 @@ from pydantic import ValidationError
 
 from adaspark.errors import UserError
 from adaspark.model.tokenizer import StreamDecoder
+from adaspark.sampling import shifted_seed
 from adaspark.server.auth import ApiKey, ApiKeyMiddleware, is_open
 from adaspark.server.errors import (
     BodyLimitMiddleware,
@@ -53,9 +61,11 @@ from adaspark.server.schemas import (
 )
 from adaspark.server.toolcalls import may_be_tool_call, parse_tool_calls
 from adaspark.server.watch import Watch, watch_routes
-from adaspark.server.worker import Cancelled, EngineWorker, Job, QueueFull
+from adaspark.server.worker import Cancelled, EngineWorker, Job, Place, QueueFull
 
 MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context; guards memory only
+LOAD_FAILED = "the model failed to load; the server's log says why"
+LOGPROB_FLOOR = -9999.0  # the least logprob reported (vLLM's floor, which it reports for -inf)
 RETRY_AFTER_S = 1  # what a refused client is told to wait: about a few replies' decode time
 NO_TEMPLATE = ("this model has no chat template (no tokenizer.chat_template in its GGUF), so it "
                "cannot chat: send the text to continue to /v1/completions")
@@ -129,8 +139,8 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
 
     def ready_engine() -> Any:
         worker = app.state.worker
-        if worker.load_error is not None:
-            raise Unavailable(500, f"the model failed to load: {worker.load_error}")
+        if worker.load_error is not None:  # the reason is in the server's log, not for anyone
+            raise Unavailable(500, LOAD_FAILED)  # who can reach the port (/health is open)
         if not worker.ready:
             raise Unavailable(503, "the model is still loading; retry shortly")
         return worker.engine
@@ -146,61 +156,136 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
         card = {"id": model_id, "object": "model", "created": 0, "owned_by": "adaspark"}
         return JSONResponse({"object": "list", "data": [card]})
 
+    turns = app.state.turns = Turns(work_slots())
+
+    async def admit(request: Request, model: type[GenerationRequest], prepare: Callable) -> Any:
+        """A request refused while the server is full before its body is parsed or tokenised;
+        else checked, prepared (`prepare(req, engine)`: prompt ids, Reply, sampling, param), and
+        served under the place it took."""
+        worker = app.state.worker
+        if worker.full:  # nothing read yet: a saturated server spends nothing on a refusal
+            return busy_response()
+        # read outside the turns: a client that sends slowly would hold one; the body's bytes
+        # cost no CPU to receive, and BodyLimitMiddleware holds them to MAX_BODY_BYTES
+        body = await request.body()
+        async with turns.turn():
+            if worker.full:  # filled while this one waited for its turn
+                return busy_response()
+            req = parse_request(model, body)
+            del body
+            engine = ready_engine()
+            try:
+                place = worker.reserve(threading.Event())
+            except QueueFull:
+                return busy_response()
+            try:
+                prompt_ids, reply, sampling, param = await prepare(req, engine)
+                jobs = choice_jobs(engine, req, prompt_ids, reply, sampling, param, place)
+            except BaseException:
+                place.release()
+                raise
+        if req.stream:  # the place is taken: nothing after the 200 can be a 429
+            return PlacedStream(_sse(place, jobs, reply, req.include_usage()), place)
+        with place:
+            return await _complete(request, place, jobs, reply)
+
     @app.post("/v1/chat/completions", openapi_extra={"requestBody": openapi_body(ChatRequest)},
               responses=error_responses(400, 413, 429, 500, 503))
     async def chat_completions(request: Request):
-        # BodyLimitMiddleware holds the body to MAX_BODY_BYTES
-        req = parse_request(ChatRequest, await request.body())
-        engine = ready_engine()
-        if engine.tokenizer.chat_template is None:
-            raise RequestError(NO_TEMPLATE, param="messages", code="no_chat_template")
-        try:
-            prompt_ids = await asyncio.to_thread(
-                engine.tokenizer.encode_chat, template_messages(req.messages), req.active_tools()
-            )
-        except UserError as err:  # e.g. a role order the chat template refuses
-            raise RequestError(str(err), param="messages") from None
-        sampling = req.sampling()
-        reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls(), sampling.seed,
-                      engine.tokenizer.token_bytes)
-        return await serve(request, engine, req, prompt_ids, reply, sampling, "messages")
+        async def prepare(req: ChatRequest, engine: Any) -> tuple:
+            if engine.tokenizer.chat_template is None:
+                raise RequestError(NO_TEMPLATE, param="messages", code="no_chat_template")
+            try:
+                prompt_ids = await asyncio.to_thread(
+                    engine.tokenizer.encode_chat, template_messages(req.messages),
+                    req.active_tools())
+            except UserError as err:  # e.g. a role order the chat template refuses
+                raise RequestError(str(err), param="messages") from None
+            sampling = req.sampling()
+            reply = Reply(model_id, len(prompt_ids), req.parses_tool_calls(), sampling.seed,
+                          engine.tokenizer.token_bytes)
+            return prompt_ids, reply, sampling, "messages"
+
+        return await admit(request, ChatRequest, prepare)
 
     @app.post("/v1/completions",
               openapi_extra={"requestBody": openapi_body(CompletionRequest)},
               responses=error_responses(400, 413, 429, 500, 503))
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await request.body())
-        engine = ready_engine()
-        prompt_ids, text = await asyncio.to_thread(req.prompt_ids, engine.tokenizer)
-        sampling = req.sampling()
-        reply = TextReply(model_id, len(prompt_ids), sampling.seed, engine.tokenizer.token_bytes,
-                          echo=text if req.echo else "")
-        return await serve(request, engine, req, prompt_ids, reply, sampling, "prompt")
+        async def prepare(req: CompletionRequest, engine: Any) -> tuple:
+            prompt_ids, text = await asyncio.to_thread(req.prompt_ids, engine.tokenizer)
+            sampling = req.sampling()
+            reply = TextReply(model_id, len(prompt_ids), sampling.seed,
+                              engine.tokenizer.token_bytes, echo=text if req.echo else "")
+            return prompt_ids, reply, sampling, "prompt"
 
-    async def serve(request: Request, engine: Any, req: GenerationRequest,
-                    prompt_ids: list[int], reply: Reply, sampling: Any, param: str) -> Any:
-        """A checked request's jobs (its n choices) queued; its reply streamed or whole."""
-        room = engine.context_length - len(prompt_ids)
-        if room < 1:
-            raise RequestError(
-                f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
-                f"{engine.context_length}, including the reply",
-                param=param,
-                code="context_length_exceeded",
-            )
-        cap = req.token_cap()
-        cancel = threading.Event()  # one client: leaving cancels every choice
-        jobs = [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
-                    cancel=cancel, sampling=choice_sampling(sampling, i))
-                for i in range(req.n or 1)]
-        if app.state.worker.full:  # checked at arrival: a stream's status goes out at once
-            return busy_response()
-        if req.stream:
-            stream = _sse(app.state.worker, jobs, reply, req.include_usage())
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return await _complete(request, app.state.worker, jobs, reply)
+        return await admit(request, CompletionRequest, prepare)
 
     return app
+
+
+def work_slots() -> int:
+    """Requests parsed, rendered and tokenised at once: one per core (more would only share
+    the cores, each taking longer, beside the engine thread's decoding)."""
+    return len(os.sched_getaffinity(0))
+
+
+class Turns:
+    """At most `slots` requests at once through the CPU work before the queue (parsing,
+    rendering, tokenising a body of up to MAX_BODY_BYTES); the rest wait their turn, and are
+    checked against the queue again when it comes. `waiting` and `working` count them."""
+
+    def __init__(self, slots: int):
+        self._slots = asyncio.Semaphore(slots)
+        self.waiting = self.working = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.working += 1
+        try:
+            yield
+        finally:
+            self.working -= 1
+            self._slots.release()
+
+
+def choice_jobs(engine: Any, req: GenerationRequest, prompt_ids: list[int], reply: Reply,
+                sampling: Any, param: str, place: Place) -> list[Job]:
+    """A checked request's jobs: its n choices, all under the request's cancel flag (one
+    client: leaving cancels every choice)."""
+    room = engine.context_length - len(prompt_ids)
+    if room < 1:
+        raise RequestError(
+            f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
+            f"{engine.context_length}, including the reply",
+            param=param,
+            code="context_length_exceeded",
+        )
+    cap = req.token_cap()
+    return [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
+                cancel=place.cancel, sampling=choice_sampling(sampling, i))
+            for i in range(req.n or 1)]
+
+
+class PlacedStream(StreamingResponse):
+    """A stream whose request gives its place back however the response ends, even when the
+    client left before its first chunk was asked for (the generator's own cleanup never ran)."""
+
+    def __init__(self, content: AsyncIterator[str], place: Place):
+        super().__init__(content, media_type="text/event-stream")
+        self.place = place
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.place.cancel.set()  # a no-op once its jobs finished; else the client left
+            self.place.release()
 
 
 def declare_api_key(app: FastAPI, public_metrics: bool) -> None:
@@ -222,6 +307,13 @@ def declare_api_key(app: FastAPI, public_metrics: bool) -> None:
     app.openapi = with_401
 
 
+def floored(logprob: float) -> float:
+    """A logprob as JSON carries it, at least LOGPROB_FLOOR (vLLM's rule): -inf (no
+    probability at all, e.g. beside a tiny temperature's top token) as the floor; NaN stays,
+    and fails loudly as the bug it is."""
+    return max(logprob, LOGPROB_FLOOR) if logprob == logprob else logprob
+
+
 def busy_body() -> dict[str, Any]:
     """OpenAI's error object for a full queue (status 429)."""
     return error_body(429, "the server is busy: too many requests are waiting; retry shortly",
@@ -237,7 +329,7 @@ def busy_response() -> JSONResponse:
 def choice_sampling(sampling: Any, index: int) -> Any:
     """Choice `index` of n: its own seed, so the n samples differ and each can be reproduced."""
     return sampling if index == 0 or sampling.seed is None else \
-        replace(sampling, seed=sampling.seed + index)
+        replace(sampling, seed=shifted_seed(sampling.seed, index))
 
 
 class Reply:
@@ -261,9 +353,8 @@ class Reply:
         return {} if self.seed is None else {"adaspark": {"seed": self.seed}}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        body = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
-        return f"data: {json.dumps(body)}\n\n"
+        return _event({"id": self.id, "object": self.chunk_object, "created": self.created,
+                       "model": self.model, "choices": choices, **extra})
 
     def logprobs(self, result: Any) -> dict[str, Any] | None:
         """OpenAI's logprobs object for a reply's tokens, or None when not asked for."""
@@ -272,8 +363,8 @@ class Reply:
 
         def token(tid: int, logprob: float) -> dict[str, Any]:
             raw = self.token_bytes[tid]
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
-                    "bytes": list(raw)}
+            return {"token": raw.decode("utf-8", errors="replace"),
+                    "logprob": floored(logprob), "bytes": list(raw)}
 
         return {"content": [{**token(e["id"], e["logprob"]),
                              "top_logprobs": [token(i, v) for i, v in e["top"]]}
@@ -329,8 +420,8 @@ class TextReply(Reply):
             offsets.append(at)
             at += len(decoder.push(entry["id"]))
         return {"tokens": [spell(e["id"]) for e in entries],
-                "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{spell(i): v for i, v in e["top"]} for e in entries],
+                "token_logprobs": [floored(e["logprob"]) for e in entries],
+                "top_logprobs": [{spell(i): floored(v) for i, v in e["top"]} for e in entries],
                 "text_offset": offsets}
 
     def choice(self, index: int, result: Any) -> dict[str, Any]:
@@ -347,24 +438,20 @@ class TextReply(Reply):
                 "logprobs": self.logprobs(result)}
 
 
-async def _complete(request: Request, worker: EngineWorker, jobs: list[Job],
-                    reply: Reply) -> Any:
+async def _complete(request: Request, place: Place, jobs: list[Job], reply: Reply) -> Any:
     async def watch_disconnect() -> None:
         # the body has been read, so the next message can only be the client leaving
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        for job in jobs:
-            job.cancel.set()
+        place.cancel.set()
 
     watcher = asyncio.create_task(watch_disconnect())
-    try:  # the n choices one after another
-        results = [await asyncio.wrap_future(worker.submit(job)) for job in jobs]
+    try:  # the n choices one after another, under the request's one place
+        results = [await asyncio.wrap_future(place.submit(job)) for job in jobs]
     except UserError as err:
         return error_response(400, str(err))
     except Cancelled:
         return error_response(400, "request cancelled")  # nobody is listening any more
-    except QueueFull:
-        return busy_response()
     finally:
         watcher.cancel()
     return JSONResponse({
@@ -382,32 +469,39 @@ async def _complete(request: Request, worker: EngineWorker, jobs: list[Job],
 _DONE = object()
 
 
-async def _sse(
-    worker: EngineWorker, jobs: list[Job], reply: Reply, include_usage: bool
-) -> AsyncIterator[str]:
-    """Server-sent events for one request, its n choices one after another; leaving early (a
-    disconnect) cancels the request."""
+def _event(body: dict[str, Any]) -> str:
+    """One server-sent event; NaN or infinity is an error here, never bare in the JSON."""
+    return f"data: {json.dumps(body, allow_nan=False)}\n\n"
+
+
+async def _sse(place: Place, jobs: list[Job], reply: Reply,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for one request, its n choices one after another; every stream
+    ends in `data: [DONE]`, after an OpenAI error object when a choice failed. Leaving early (a
+    disconnect) cancels the request (PlacedStream)."""
     results: list[Any] = []
     try:
         for index, job in enumerate(jobs):
             last = index == len(jobs) - 1
-            async for event in _sse_choice(worker, job, reply, index, last, results):
+            async for event in _sse_choice(place, job, reply, index, last, results):
                 yield event
             if len(results) <= index:  # the choice failed and said so in the stream
-                return
-        usage, timings = _usage(reply.prompt_tokens, results), results[0].timings.as_dict()
-        if include_usage:
-            yield reply.chunk([], usage=usage, timings=timings, **reply.extra)
-        yield "data: [DONE]\n\n"
-    finally:
-        for job in jobs:
-            job.cancel.set()  # a no-op once finished; stops the engine if the client left
+                break
+        else:
+            if include_usage:
+                usage, timings = _usage(reply.prompt_tokens, results), \
+                    results[0].timings.as_dict()
+                yield reply.chunk([], usage=usage, timings=timings, **reply.extra)
+    except Exception as err:  # a bug: say so in the stream, whose status was already sent
+        yield _event(internal_error(err, f"streaming {reply.id}")[1])
+    yield "data: [DONE]\n\n"
 
 
-async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, last: bool,
+async def _sse_choice(place: Place, job: Job, reply: Reply, index: int, last: bool,
                       results: list[Any]) -> AsyncIterator[str]:
     """One choice's chunks; appends its result to `results` when it finishes. The last
-    choice's final chunk carries the request's usage and timings."""
+    choice's final chunk carries the request's usage and timings. A request the engine
+    refuses (or a cancelled one) ends in a 400 error object; a bug raises."""
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue = asyncio.Queue()
 
@@ -416,11 +510,7 @@ async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, 
             loop.call_soon_threadsafe(pieces.put_nowait, item)
 
     job.on_text = post
-    try:
-        future = worker.submit(job)
-    except QueueFull:  # a later choice of n found the queue full: the status was sent already
-        yield f"data: {json.dumps(busy_body())}\n\n"
-        return
+    future = place.submit(job)
     future.add_done_callback(lambda _: post(_DONE))
     first = True
     held = ""  # text kept back while the reply may still be a bare tool call
@@ -443,10 +533,7 @@ async def _sse_choice(worker: EngineWorker, job: Job, reply: Reply, index: int, 
     try:
         result = future.result()
     except (UserError, Cancelled) as err:
-        yield f"data: {json.dumps(error_body(400, str(err) or 'request cancelled'))}\n\n"
-        return
-    except Exception as err:  # a bug: say so in the stream, whose status was already sent
-        yield f"data: {json.dumps(internal_error(err, f'streaming {reply.id}')[1])}\n\n"
+        yield _event(error_body(400, str(err) or "request cancelled"))
         return
     calls = parse_tool_calls(held) if held else None
     if calls:

@@ -3,8 +3,9 @@
 Only what the engine can honour is accepted; anything else is refused with a 400 that names the
 field, rather than silently ignored, because it would change the reply the client expects.
 Sampling (adaspark/sampling.py): temperature [0, 2] (0 or absent: greedy), top_p (0, 1], top_k
->= 0 (0: off), an integer seed, penalties in [-2, 2], logprobs with top_logprobs 0-20, and n
-choices (n seeded samples, choice i with seed + i, run one after another).
+>= 0 (0: off), an int64 seed, penalties in [-2, 2], logprobs with top_logprobs 0-20, and n
+choices (n seeded samples, choice i with seed + i, run one after another). Up to MAX_STOPS stop
+strings of up to MAX_STOP_CHARS characters each.
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ from typing import Annotated, Any, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from adaspark.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from adaspark.sampling import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, SamplingParams
 
 MAX_CHOICES = 16  # n: the choices run one after another, so a cap bounds one request's time
+# The stop list. OpenAI takes at most 4 stop strings; 16 leaves room for clients written for
+# servers without a cap (a chat front-end's stop per speaker name). Each one costs the engine
+# thread, which every running request shares, one state move per new character (stops.py), so
+# 16 keep a token's scan at a few dozen moves; a stop string is a marker (an end tag, a
+# speaker's turn), never a passage, and up to its length of text is held back from a stream
+# while it may be a stop's beginning, hence 256 characters.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 
 class RequestError(Exception):
@@ -135,8 +144,9 @@ class StreamOptions(BaseModel):
 
 
 def _stop_schema(props: dict[str, Any]) -> None:
-    nonempty = {"type": "string", "minLength": 1}
-    props["stop"]["anyOf"][:2] = [nonempty, {"type": "array", "items": nonempty}]
+    bounded = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+    props["stop"]["anyOf"][:2] = [bounded,
+                                  {"type": "array", "items": bounded, "maxItems": MAX_STOPS}]
 
 
 def _request_schema(schema: dict[str, Any]) -> None:
@@ -164,7 +174,8 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # vLLM's extension; 0: off
-    seed: int | None = Field(default=None, strict=True)  # 3.0 or "3" is not an integer seed
+    # 3.0 or "3" is not an integer seed; int64 (sampling.py: each replays exactly)
+    seed: int | None = Field(default=None, strict=True, ge=MIN_SEED, le=MAX_SEED)
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -182,9 +193,16 @@ class GenerationRequest(BaseModel):
         for refused, param, message in self._refusals():
             if refused:
                 raise RequestError(message, param=param)
-        for stop in self.stop_strings():
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOPS:
+            raise RequestError(f"stop holds {len(stops)} strings; at most {MAX_STOPS} are "
+                               "allowed", param="stop")
+        for stop in stops:
             if not stop:
                 raise RequestError("stop strings must not be empty", param="stop")
+            if len(stop) > MAX_STOP_CHARS:
+                raise RequestError(f"a stop string is {len(stop)} characters; at most "
+                                   f"{MAX_STOP_CHARS} are allowed", param="stop")
 
     def sampling(self) -> SamplingParams:
         """The request's sampling, with a seed drawn when sampling without one (returned to the

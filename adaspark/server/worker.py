@@ -10,6 +10,13 @@ them (QueueFull: the server's 429).
 
 Cancellation is a flag: a running request sees it at its next step (its slot is free from that
 step on); a queued one is dropped without touching the engine. A request that fails fails alone.
+
+Admission is by place: a request takes one (reserve(); QueueFull when parallel + queue_limit
+are held) at arrival, before its prompt is tokenised and before a stream's 200 goes out, and
+holds it while its n choices run one after another, so a later choice never finds the queue
+full and a stream never learns of a full queue after its status. A place whose client left
+(its cancel flag) no longer counts, nor does its queued job (the waiting gauge): live clients
+are not refused for requests nobody waits for, which the engine thread drops between steps.
 """
 
 from __future__ import annotations
@@ -39,6 +46,29 @@ class Cancelled(Exception):
 
 class QueueFull(Exception):
     """As many requests wait as the queue holds: come back later."""
+
+
+class Place:
+    """A request's place in the worker (see the module's docstring); `cancel` is the request's
+    flag, set when its client leaves. Usable as a context manager that gives it back."""
+
+    def __init__(self, worker: EngineWorker, cancel: threading.Event):
+        self.worker, self.cancel = worker, cancel
+
+    def submit(self, job: Job) -> Future:
+        """Queue one of the request's jobs (never QueueFull: the place was taken already)."""
+        return self.worker.submit(job, place=self)
+
+    def release(self) -> None:
+        """Give the place back (again: a no-op)."""
+        with self.worker._wake:
+            self.worker._places.discard(self)
+
+    def __enter__(self) -> Place:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -82,6 +112,10 @@ def slot_bytes(engine: Any) -> int:
     return int(cache.k.numel() * cache.k.element_size() * 2)
 
 
+def _wanted(job: Job, future: Future) -> bool:
+    return not job.cancel.is_set() and not future.cancelled()
+
+
 class EngineWorker:
     """parallel: requests decoding at once (None: default_parallel); queue_limit: requests
     waiting at most (None: 8 per running slot)."""
@@ -98,6 +132,7 @@ class EngineWorker:
         self._queue: deque[tuple[Job, Future]] = deque()
         # id(Decode) -> (the Decode, its job, its future): admitted, not yet settled
         self._running: dict[int, tuple[Any, Job, Future]] = {}
+        self._places: set[Place] = set()  # taken and not given back
         self._wake = threading.Condition()
         self._closed = False
         # called on the engine thread after each job: (job, result), or (job, None) when the
@@ -113,31 +148,49 @@ class EngineWorker:
 
     @property
     def waiting(self) -> int:
-        """Jobs submitted and not yet started (the metrics' queue gauge)."""
-        return len(self._queue)
+        """Jobs submitted, not yet started, and still wanted (the metrics' queue gauge)."""
+        return sum(1 for job, future in list(self._queue) if _wanted(job, future))
 
     @property
     def running(self) -> int:
         return len(self._running)
 
     @property
+    def held(self) -> int:
+        """Places taken by requests whose clients are still there."""
+        return sum(1 for place in list(self._places) if not place.cancel.is_set())
+
+    @property
     def full(self) -> bool:
-        """True when the next submit() would be refused: queue_limit jobs would still wait
-        once every free slot took one (jobs join the batch only between steps)."""
+        """True when the next reserve() would be refused: queue_limit requests would still
+        wait once every slot ran one (jobs join the batch only between steps)."""
         if self.queue_limit is None or self.parallel is None:
             return False
-        return len(self._queue) + self.running >= self.parallel + self.queue_limit
+        return self.held >= self.parallel + self.queue_limit
 
-    def submit(self, job: Job) -> Future:
-        """Queue `job`; its Future gets the engine's Generation (or its error). Raises QueueFull
-        when queue_limit jobs would wait already (`full`)."""
+    def reserve(self, cancel: threading.Event | None = None) -> Place:
+        """A place for a request whose flag is `cancel`; QueueFull when the worker is full."""
+        with self._wake:
+            if self.full:
+                raise QueueFull(f"{self.held} requests hold the server's places already")
+            place = Place(self, cancel if cancel is not None else threading.Event())
+            self._places.add(place)
+        return place
+
+    def submit(self, job: Job, place: Place | None = None) -> Future:
+        """Queue `job` under its request's `place`; its Future gets the engine's Generation (or
+        its error). Without a place, the job takes one of its own until it settles (QueueFull
+        when there is none)."""
         future: Future = Future()
         with self._wake:
             if self._closed:
                 future.set_exception(Cancelled())
                 return future
-            if self.full:
-                raise QueueFull(f"{len(self._queue)} requests are queued already")
+            if place is None:
+                place = self.reserve(job.cancel)
+                future.add_done_callback(lambda _: place.release())
+            elif place not in self._places:
+                raise ValueError("submit under a place that was given back")
             self._queue.append((job, future))
             self._wake.notify()
         return future
@@ -171,6 +224,7 @@ class EngineWorker:
         if closed and not batch.running:
             return False
         try:
+            self._drop_unwanted()
             if not closed:
                 self._admit(batch)
             for seq in batch.step():  # after close(): the cancelled requests end here
@@ -195,6 +249,18 @@ class EngineWorker:
                 job, future = self._queue.popleft()
             if future.set_running_or_notify_cancel() and not job.cancel.is_set():
                 return job, future
+            self._settle(job, future, None, Cancelled())
+
+    def _drop_unwanted(self) -> None:
+        """Settle and drop the queued jobs whose clients left (their places count no more, so
+        the queue may hold any number of them: it is swept every step)."""
+        with self._wake:
+            if all(_wanted(job, future) for job, future in self._queue):
+                return
+            unwanted = [item for item in self._queue if not _wanted(*item)]
+            self._queue = deque(item for item in self._queue if _wanted(*item))
+        for job, future in unwanted:
+            future.set_running_or_notify_cancel()
             self._settle(job, future, None, Cancelled())
 
     def _admit(self, batch: Any) -> None:

@@ -36,7 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from adaspark import threads
+from adaspark import constrained, threads
 from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions
@@ -182,6 +182,7 @@ class RoundDecode(Decode):
             temperature = self.sampler.params.temperature if self.sampler is not None else 0.0
             self.request = self.spec.scheduler.begin_request([*self.slot.ids, self.token],
                                                              temperature=temperature)
+            self.request.constraint = self.grammar  # its trees keep the legal candidates
             self.spec.running += 1
             if self.reply.push(self.token):
                 return self._stop()
@@ -235,7 +236,10 @@ class RoundDecode(Decode):
         sched, plan, sampler = self.spec.scheduler, self._plan, self.sampler
         start = time.perf_counter()
         adjusted: dict[int, Any] = {}
-        if sampler is None:
+        if self.grammar is not None:  # each path row's pick under its own path's grammar state
+            picks, adjusted = constrained.path_picks(self.grammar, sampler, logits.cpu(), plan,
+                                                     len(self.slot))
+        elif sampler is None:
             picks = argmax  # numpy: Batch._verify converts the step's once
         else:
             picks, adjusted = sample_path(sampler, logits.cpu(), plan, len(self.slot))

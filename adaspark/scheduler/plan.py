@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -63,6 +64,15 @@ class Outcome:
 Draft = Callable[[], Block]  # the drafter's block after the anchor, made on demand
 
 
+class TreeConstraint(Protocol):
+    """What a request's output must obey (grammar.GrammarState, standing after its anchor):
+    the candidates it forbids take no rows."""
+
+    def illegal(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """bool[n]: the nodes (tokens[i] below parents[i], -1 the anchor) whose path it
+        forbids."""
+
+
 @dataclass
 class RequestState:
     """What one request's rounds carry from round to round (Scheduler.begin_request makes it);
@@ -80,3 +90,5 @@ class RequestState:
     # the chooser's scores from this request's last plan, which learn()'s split test reads
     # (another request may have planned in between)
     chooser_round: dict | None = field(default=None, repr=False)
+    # its structured output's grammar (None: free text): forbidden candidates are priced at 0
+    constraint: TreeConstraint | None = field(default=None, repr=False)

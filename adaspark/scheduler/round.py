@@ -371,7 +371,14 @@ class Scheduler:
         tree = self._undrafted_tree(stop_ids)
         if self.index is not None:
             self.index.chains(tree)
+        self._constrain(tree)
         return tree
+
+    def _constrain(self, tree: CandidateTree) -> None:
+        """The request's grammar (if any) forbids candidates: they take no rows (tree.forbid)."""
+        constraint = self.request.constraint
+        if constraint is not None and tree.n_nodes:
+            tree.forbid(constraint.illegal(tree.token, tree.parent))
 
     def _undrafted_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
         """CandidateTree.undrafted at the anchor, as a copy of an empty tree made once per
@@ -512,6 +519,7 @@ class Scheduler:
         if self.index is not None:
             self.index.chains(tree)
             t = self._lap("ngram chains", t)
+        self._constrain(tree)
         scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
                                        temperature=self.temperature)
         t = self._lap("q", t)
@@ -578,8 +586,11 @@ class Scheduler:
 
     @staticmethod
     def _chain(tree: CandidateTree, picks: int) -> np.ndarray:
-        """The spine: picks from the first position on, ending after a stop token."""
+        """The spine: picks from the first position on, ending after a stop token or before
+        the first pick the request's grammar forbids."""
         nodes = tree.pick_nodes[:picks]
+        if tree.forbidden is not None and tree.forbidden[nodes].any():
+            nodes = nodes[: int(np.argmax(tree.forbidden[nodes]))]
         stops = np.flatnonzero(tree.stop[nodes])
         return nodes[: stops[0] + 1] if stops.size else nodes
 

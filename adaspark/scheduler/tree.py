@@ -131,6 +131,9 @@ class Block:
 class CandidateTree:
     """Candidates of one round as flat arrays (see module docstring)."""
 
+    # bool[N]: nodes a request's grammar forbids (forbid()); None: every node is legal
+    forbidden: np.ndarray | None = None
+
     def __init__(self, anchor: int, B: int, K: int, arrays: dict, stop_ids=()):
         self.anchor = int(anchor)
         self.B, self.K = B, K
@@ -310,6 +313,15 @@ class CandidateTree:
         self._pending = ([], [], [], [], [])
         self._seal_stop()
 
+    def forbid(self, illegal: np.ndarray) -> None:
+        """Mark the nodes whose path the request's grammar forbids (scheduler/plan.py's
+        TreeConstraint): ranked like a stop's subtree (Q = 0), they never take a row, and
+        their outcome teaches the acceptance model nothing."""
+        illegal = np.asarray(illegal, dtype=bool).reshape(-1)
+        if illegal.shape != (self.n_nodes,):
+            raise ValueError(f"illegal has {illegal.size} nodes, the tree {self.n_nodes}")
+        self.forbidden = illegal if illegal.any() else None
+
     def _seal_stop(self) -> None:
         # a handful of stop ids: one broadcast compare beats np.isin's sort at this size
         if self.stop_ids.size == 1:
@@ -344,6 +356,8 @@ def path_log_keys(tree: CandidateTree, q: np.ndarray) -> np.ndarray:
     val[:N] = np.maximum(log_q * _LOG_SCALE, _LOG_ZERO)
     if tree.stop.any():
         val[:N][tree.stop] = _LOG_ZERO
+    if tree.forbidden is not None:
+        val[:N][tree.forbidden] = _LOG_ZERO
     ptr = np.empty(N + 1, dtype=np.int64)
     ptr[N] = N
     ptr[:N] = tree.parent

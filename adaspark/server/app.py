@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from adaspark.errors import UserError
+from adaspark.grammar import GrammarError
 from adaspark.model.tokenizer import StreamDecoder
 from adaspark.server.auth import ApiKey, ApiKeyMiddleware, is_open
 from adaspark.server.errors import (
@@ -189,9 +190,16 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
                 code="context_length_exceeded",
             )
         cap = req.token_cap()
+        grammar = None
+        if (structure := req.structured()) is not None:  # compiled once for the n choices
+            try:
+                grammar = await asyncio.to_thread(engine.grammar, structure)
+            except GrammarError as err:
+                raise RequestError(str(err), param=err.param) from None
         cancel = threading.Event()  # one client: leaving cancels every choice
         jobs = [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
-                    cancel=cancel, sampling=choice_sampling(sampling, i))
+                    cancel=cancel, sampling=choice_sampling(sampling, i),
+                    response_format=grammar)
                 for i in range(req.n or 1)]
         if app.state.worker.full:  # checked at arrival: a stream's status goes out at once
             return busy_response()

@@ -8,7 +8,8 @@ this library: fast masks, rollback and cheap copies of a state).
     state.allowed()            # bool[vocab]: the tokens legal next (a stop token only where the
                                # grammar is complete)
     state.advance(token)       # the reply took `token`
-    state.illegal(tokens, parents)   # a candidate tree's nodes whose path the grammar forbids
+    state.survey(tokens, parents)    # a candidate tree's illegal nodes, its certain ones (the
+                                     # only legal token at their place), the forced chains
 
 Nothing here touches torch or the model: constrained.py takes the picks under a state, the
 scheduler prunes its trees through `illegal` (scheduler/plan.py's TreeConstraint).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -35,6 +36,7 @@ WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 # Grammar size bounds below llguidance's defaults (500k symbols, 250k lexer states): a schema
 # that needs more is refused at compile time, not slow at every token.
 LIMITS = dict(max_grammar_size=200_000, max_lexer_states=100_000)
+MAX_FORCED = 16  # tokens of one forced chain appended below a tree's leaf
 
 
 class GrammarError(UserError):
@@ -164,6 +166,17 @@ class Grammar:
         return GrammarState(self._initial.deep_copy(), self.compiler)
 
 
+@dataclass
+class Survey:
+    """A candidate tree under a grammar state (GrammarState.survey)."""
+
+    illegal: np.ndarray  # bool[n]: the grammar forbids the node's path
+    certain: np.ndarray  # bool[n]: a legal node that is the only legal token at its place
+    # (parent node, -1 the state itself; tokens): below a legal node none of whose candidates is
+    # legal (a leaf, most often), the tokens the grammar forces, each the only legal one there
+    forced: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
 class GrammarState:
     """Where a reply stands in its grammar: after every token the reply has taken (its picks);
     a stop token is never advanced over (it ends the reply)."""
@@ -204,9 +217,25 @@ class GrammarState:
             return self._m.is_accepting()
         return self._m.validate_tokens([int(token)]) == 1
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces from here (each the only legal one at its place)."""
-        return list(self._m.compute_ff_tokens())
+    def sole(self) -> int | None:
+        """The only legal token here, or None. llguidance's forced tokens (cheap) propose it; a
+        mask confirms that nothing else is legal (a forced byte string may also be spelled by
+        shorter tokens, which the target could pick)."""
+        forced = self._m.compute_ff_tokens()
+        if not forced:
+            return None
+        allowed = self.allowed()
+        return int(forced[0]) if allowed[forced[0]] and np.count_nonzero(allowed) == 1 else None
+
+    def forced(self, limit: int = MAX_FORCED) -> list[int]:
+        """The tokens the grammar forces from here, each the only legal one at its place (at
+        most `limit`). The state is as it was after."""
+        chain: list[int] = []
+        while len(chain) < limit and (token := self.sole()) is not None:
+            chain.append(token)
+            self._m.consume_token(token)
+        self.rollback(len(chain))
+        return chain
 
     @property
     def complete(self) -> bool:
@@ -214,25 +243,36 @@ class GrammarState:
         return self._m.is_stopped()
 
     def illegal(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
-        """bool[n] for a candidate tree below this state (node i: tokens[i] under parents[i],
-        -1 the state itself, every parent before its children): the nodes whose path the
-        grammar forbids, theirs and everything below them. The state is as it was after."""
+        """bool[n]: survey()'s illegal nodes alone."""
+        return self.survey(tokens, parents, forced=False).illegal
+
+    def survey(self, tokens: np.ndarray, parents: np.ndarray, forced: bool = True) -> Survey:
+        """A candidate tree below this state (node i: tokens[i] under parents[i], -1 the state
+        itself, every parent before its children): the nodes whose path the grammar forbids
+        (below an illegal node, everything), the legal nodes it makes certain, and (forced) the
+        chains it forces below the legal nodes none of whose candidates is legal. The state is
+        as it was after."""
         tokens, parents = np.asarray(tokens).tolist(), np.asarray(parents).tolist()
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(parents):
             children.setdefault(parent, []).append(node)
-        bad = np.ones(len(tokens), dtype=bool)
+        out = Survey(np.ones(len(tokens), dtype=bool), np.zeros(len(tokens), dtype=bool))
 
         def visit(parent: int) -> None:  # the matcher stands at `parent`'s path
-            for node in children.get(parent, ()):
+            kids = children.get(parent, ())
+            sole = self.sole() if kids and forced else None
+            extend = True
+            for node in kids:
                 token = tokens[node]
                 if not self.legal(token):
                     continue
-                bad[node] = False
-                if node in children and token not in self.stop_ids:
+                out.illegal[node], out.certain[node], extend = False, token == sole, False
+                if token not in self.stop_ids and (forced or node in children):
                     self._m.consume_token(token)
                     visit(node)
                     self.rollback(1)
+            if forced and extend and (chain := self.forced()):
+                out.forced.append((parent, chain))
 
         visit(-1)
-        return bad
+        return out

@@ -122,17 +122,35 @@ def test_tree_legality_follows_each_path(make, tokenizer):
     assert not state.complete and not state.legal(stop)
 
 
+def test_forced_tokens_are_certain_and_extend_the_tree(make, tokenizer):
+    grammar = make("ar").grammar(CASES[0][1])
+    ids = tokenizer.encode('{"name": "Alice", "age": 30')
+    assert [tokenizer.token_bytes[i] for i in ids[5:8]] == [b'",', b' "', b"age"]
+    state = grammar.start()
+    state.advance_all(ids[:6])  # {"name": "Alice",
+    # ' "' opens the next key (whitespace could come first: not certain); then "age" is the
+    # only legal token: a forced chain below the leaf
+    survey = state.survey(np.array(ids[6:7]), np.array([-1]))
+    assert survey.illegal.tolist() == [False] and survey.certain.tolist() == [False]
+    assert survey.forced == [(0, [ids[7]])]
+    state.advance(ids[6])
+    assert state.survey(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)).forced == [
+        (-1, [ids[7]])]  # no candidate: the chain hangs from the anchor
+    survey = state.survey(np.array(ids[7:8]), np.array([-1]))
+    assert survey.certain.tolist() == [True]  # a drafted "age" is certain
+
+
 # ----- every arm equals ar ---------------------------------------------------------------------
 @pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
 def test_every_arm_equals_ar_under_the_same_grammar(make, sampling, monkeypatch):
     forbidden = []
-    forbid = CandidateTree.forbid
+    constrain = CandidateTree.constrain
 
-    def spy(tree, illegal):  # how many candidates the grammars dropped before they took rows
+    def spy(tree, illegal, certain):  # how many candidates the grammars dropped
         forbidden.append(int(np.sum(illegal)))
-        forbid(tree, illegal)
+        constrain(tree, illegal, certain)
 
-    monkeypatch.setattr(CandidateTree, "forbid", spy)
+    monkeypatch.setattr(CandidateTree, "constrain", spy)
     ar = make("ar")
     want = [ar.generate(messages, max_tokens=MAX_TOKENS, sampling=sampling, response_format=fmt)
             for messages, fmt, _ in CASES]
@@ -170,7 +188,7 @@ def test_every_verified_row_is_legal_on_its_path(make):
         assert_valid(reply, schema)
         full = reply.token_ids + [reply.stop_token_id]  # it ended on its own: a stop token
         so_far = full[: len(full) - sum(len(t.emitted) for t in traces)]  # the first token
-        wide = 0
+        wide = certain = 0
         for trace in traces:
             plan = trace.plan
             state = grammar.start()
@@ -179,8 +197,12 @@ def test_every_verified_row_is_legal_on_its_path(make):
             nodes = plan.parents[1:] - 1  # row r is node r - 1; row 0 (the anchor) is -1
             assert not state.illegal(plan.tokens[1:], nodes).any(), arm
             wide += plan.rows > 1
+            if plan.tree is not None and plan.tree.certain is not None:
+                certain += int(plan.tree.certain[plan.layout.nodes[1:]].sum())
             so_far += trace.emitted
         assert wide > 0, arm  # some round verified a tree
+        if arm != "chain":  # a chain is the drafter's picks alone
+            assert certain > 0, arm  # some row was a token the grammar forces, priced certain
 
 
 # ----- beside unconstrained requests in the batch ----------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -66,11 +66,14 @@ Draft = Callable[[], Block]  # the drafter's block after the anchor, made on dem
 
 class TreeConstraint(Protocol):
     """What a request's output must obey (grammar.GrammarState, standing after its anchor):
-    the candidates it forbids take no rows."""
+    the candidates it forbids take no rows; the tokens it forces are candidates priced certain
+    (tree.CandidateTree.constrain)."""
 
-    def illegal(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
-        """bool[n]: the nodes (tokens[i] below parents[i], -1 the anchor) whose path it
-        forbids."""
+    def survey(self, tokens: np.ndarray, parents: np.ndarray) -> Any:
+        """Of the nodes tokens[i] below parents[i] (-1 the anchor): .illegal bool[n] (the
+        nodes whose path it forbids), .certain bool[n] (legal nodes that are the only legal
+        token at their place) and .forced, [(parent node, tokens)]: chains it forces below
+        legal nodes none of whose candidates is legal, each token the only legal one."""
 
 
 @dataclass

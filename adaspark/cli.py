@@ -16,7 +16,7 @@ from adaspark.errors import UserError
 # name -> (module under adaspark.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "fetch-model": ("fetch_model", "download the default model (or gemma3-270m) to the user cache"),
-    "generate": ("generate", "one greedy reply to a prompt"),
+    "generate": ("generate", "one reply to a prompt (greedy unless --temperature)"),
     "chat": ("chat", "interactive multi-turn chat"),
     "sim": ("sim", "simulate the scheduler on a cost curve, no model"),
     "train-drafter": ("train_drafter", "train the DSpark drafter for a target"),

@@ -3,22 +3,21 @@ timing.
 
 One `Engine` owns a target `Transformer` (its KV cache holds the conversation so far) and the
 model's `Tokenizer`. A request renders the messages through the chat template, reuses the cached
-prefix it shares with the previous request, prefills the rest, then decodes. Plain decoding is
-the 1-row case of the target's verify path (row at depth 0, then commit it), run step by step
-by sequence.py's `Decode` in batch.py's `Batch` (alone here, beside other requests in the
-server); the speculative arms of the paper's Algorithm 1 run as speculative.py's rounds over
-the same `Reply` (alone through Speculator.decode; as RoundDecodes in the server's batch,
-each slot with its own drafter), which applies every stop (stop token, stop string, max
-tokens) token by token, so a round that accepts several tokens at once stops at exactly the
-same place. Sampling (sampling.py) replaces each row's argmax by its position-keyed Gumbel-max
-pick; greedy requests never build a Sampler.
+prefix it shares with the previous request, prefills the rest, then decodes. Every arm decodes
+step by step in batch.py's `Batch`: a request alone here is a batch of one, the server runs
+several in the same loop. Plain decoding (`ar`) is sequence.py's `Decode`, the 1-row case of
+the target's verify path (row at depth 0, then commit it); a speculative arm is
+speculative.py's `RoundDecode`, one round of the paper's Algorithm 1 a step (each slot with its
+own drafter). Both push into request.py's `Reply`, which applies every stop (stop token, stop
+string, max tokens) token by token, so a round that accepts several tokens at once stops at
+exactly the same place. Sampling (sampling.py) replaces each row's argmax by its position-keyed
+Gumbel-max pick; greedy requests never build a Sampler.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,152 +26,14 @@ from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
 from adaspark.grammar import Grammar, GrammarCompiler, ResponseFormat
 from adaspark.model.sources import resolve_model
-from adaspark.model.tokenizer import StreamDecoder, Tokenizer
+from adaspark.model.tokenizer import Tokenizer
 from adaspark.options import ModelOptions
+from adaspark.request import Generation, Reply, TextCallback, Timing
 from adaspark.sampling import Sampler, SamplingParams
-from adaspark.scheduler.record import RoundRecord
-from adaspark.sequence import Decode, StopRequest, common_prefix, prefill
+from adaspark.sequence import Decode, StopRequest
 from adaspark.speculative import RoundDecode, Speculator, load_speculator
 
-TextCallback = Callable[[str], None]
-__all__ = ["Decode", "Engine", "Generation", "Reply", "StopRequest", "Timing", "common_prefix"]
-
-
-@dataclass
-class Timing:
-    """Monotonic-clock timing of one request."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens already in the KV cache from the previous request
-    prefill_s: float = 0.0  # prefill of the new prompt tokens, up to the first reply token
-    decode_s: float = 0.0  # every forward after the first reply token
-    decode_tokens: int = 0  # reply tokens produced by those forwards
-    # decode rounds (speculative.py): a plain round verifies the anchor alone, without drafting;
-    # an n-gram round verifies a tree from the n-gram index alone (the draft gate)
-    draft_rounds: int = 0
-    plain_rounds: int = 0
-    ngram_rounds: int = 0
-    verified_rows: int = 0  # target rows verified, over all rounds
-    accepted_tokens: int = 0  # drafted tokens the reply took (bonus tokens excluded)
-
-    def count_round(self, record: RoundRecord, emitted: int) -> None:
-        """One speculative round; emitted: the tokens the reply took of it."""
-        if record.plain:
-            self.plain_rounds += 1
-        elif record.drafted:
-            self.draft_rounds += 1
-        else:
-            self.ngram_rounds += 1
-        self.verified_rows += record.rows
-        self.accepted_tokens += min(record.accepted, emitted)
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def mean_width(self) -> float:
-        """Rows verified per round (1.0 for plain decoding)."""
-        rounds = self.draft_rounds + self.plain_rounds + self.ngram_rounds
-        return self.verified_rows / rounds if rounds else 0.0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
-                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-                "decode_tokens": self.decode_tokens, "decode_tok_s": self.decode_tok_s,
-                "draft_rounds": self.draft_rounds, "plain_rounds": self.plain_rounds,
-                "ngram_rounds": self.ngram_rounds,
-                "verified_rows": self.verified_rows, "accepted_tokens": self.accepted_tokens,
-                "mean_width": self.mean_width}
-
-
-@dataclass
-class Generation:
-    """One reply. `token_ids` excludes a stop token (kept in `stop_token_id`); `text` ends before
-    any stop string. finish_reason: "stop" (stop token or string), "length" (max tokens or the
-    context is full) or "cancelled" (should_stop said so)."""
-
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str
-    stop_token_id: int | None
-    timings: Timing = field(default_factory=Timing)
-    seed: int | None = None  # the sampling seed (drawn when none was given); None: greedy
-    # per reply token when asked: {"id", "logprob", "top": [(id, logprob), ...]}
-    logprobs: list[dict] | None = None
-
-
-class Reply:
-    """The reply under construction: applies stops token by token and streams safe text.
-
-    Text that might be the start of a stop string is held back from the stream until the next
-    tokens show it is not, so no text past a stop is ever streamed or returned.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, max_tokens: int, stop: Sequence[str] = (),
-                 on_text: TextCallback | None = None):
-        self._stop_ids = tokenizer.stop_ids
-        self._stops = [s for s in stop if s]
-        self._max_tokens = max_tokens
-        self._decoder: StreamDecoder = tokenizer.stream_decoder()
-        self._on_text = on_text
-        self.token_ids: list[int] = []
-        self.text = ""
-        self._streamed = 0  # chars of self.text already given to on_text
-        self.finish_reason: str | None = None
-        self.stop_token_id: int | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def push(self, token_id: int) -> bool:
-        """Take the next generated token; True when the reply is finished (stop or length)."""
-        assert not self.done, "push after the reply finished"
-        if token_id in self._stop_ids:
-            self.stop_token_id = token_id
-            return self._finish("stop")
-        self.token_ids.append(token_id)
-        before = len(self.text)
-        self.text += self._decoder.push(token_id)
-        if self._stops:
-            longest = max(len(s) for s in self._stops)
-            window_start = max(0, before - longest + 1)
-            hits = [i for s in self._stops if (i := self.text.find(s, window_start)) != -1]
-            if hits:
-                self.text = self.text[:min(hits)]
-                return self._finish("stop", flush=False)
-        if len(self.token_ids) >= self._max_tokens:
-            return self._finish("length")
-        self._stream(len(self.text) - self._held_back())
-        return False
-
-    def end(self, reason: str) -> None:
-        """End early: "length" when the context is full, "cancelled" when the caller asks."""
-        if not self.done:
-            self._finish(reason)
-
-    def _finish(self, reason: str, flush: bool = True) -> bool:
-        if flush:
-            self.text += self._decoder.flush()  # a dangling partial character, as decode() shows
-        self.finish_reason = reason
-        self._stream(len(self.text))
-        return True
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that begins some stop string."""
-        for n in range(min(len(self.text), max((len(s) for s in self._stops), default=0)), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
-
-    def _stream(self, upto: int) -> None:
-        if upto > self._streamed:
-            if self._on_text is not None:
-                self._on_text(self.text[self._streamed:upto])
-            self._streamed = upto
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -187,7 +48,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None  # built on the first response_format
         # the tokens whose K/V sit in target.cache (and the drafter's): their one owner
         self.cache = CachedTokens(target, speculator.drafter if speculator else None)
-        # plain decoding's running requests, the engine's own cache their first slot; the
+        # the running requests (every arm's), the engine's own cache their first slot; the
         # server lets several run at once (max_slots), a request alone runs by itself
         self.batch = Batch(target, self.cache, self.context_length)
         if speculator is not None:  # the shared row budget; the shared call's time
@@ -273,25 +134,18 @@ class Engine:
                      ) -> Generation:
         """Continuation of prompt token ids (the chat template already applied), greedy unless
         `sampling` says otherwise; response_format: the reply's structure (grammar.py). request_id
-        names the request in the round log. Plain decoding, and every arm under a
-        response_format, runs as a batch of one (batch.py): not while a server drives the
-        batch."""
+        names the request in the round log. Every arm runs as a batch of one (batch.py): not
+        while a server drives the batch."""
         seq = self.new_decode(prompt, max_tokens=max_tokens, stop=stop, on_text=on_text,
                               should_stop=should_stop, request_id=request_id, sampling=sampling,
                               response_format=response_format)
-        if self.speculator is None or seq.grammar is not None:
-            try:
-                if self.batch.add(seq):
-                    while not seq.finished:
-                        self.batch.step()
-            except BaseException as err:  # e.g. Ctrl-C: the next request starts clean
-                self.batch.drop(seq, err)
-                raise
-        else:
-            first = prefill(self.target, self.cache, seq.prompt, seq.timing, seq.sampler,
-                            self.speculator)
-            self._decode_speculative(first, seq.reply, seq.timing, should_stop, request_id,
-                                     seq.sampler)
+        try:
+            if self.batch.add(seq):
+                while not seq.finished:
+                    self.batch.step()
+        except BaseException as err:  # e.g. Ctrl-C: the next request starts clean
+            self.batch.drop(seq, err)
+            raise
         if seq.error is not None:
             raise seq.error
         return self.result(seq)
@@ -317,7 +171,7 @@ class Engine:
         parts = (prompt, Reply(self.tokenizer, max_tokens, stop, on_text),
                  Timing(prompt_tokens=len(prompt)), sampler, should_stop, request_id)
         state = None if grammar is None else grammar.start()  # each reply its own
-        if self.speculator is not None:  # its rounds as batch steps, should a batch run it
+        if self.speculator is not None:  # a round a batch step
             return RoundDecode(self.speculator, *parts, grammar=state)
         return Decode(*parts, grammar=state)
 
@@ -349,13 +203,3 @@ class Engine:
                           stop_token_id=reply.stop_token_id, timings=seq.timing,
                           seed=sampler.seed if sampler is not None else None,
                           logprobs=logprobs)
-
-    def _decode_speculative(self, token: int, reply: Reply, timing: Timing,
-                            should_stop: StopRequest | None, request_id: str | None,
-                            sampler: Sampler | None = None) -> None:
-        """Algorithm 1's rounds (speculative.py); the same Reply applies every stop."""
-        self.speculator.decode(token, reply, self.cache, self.context_length, timing,
-                               should_stop, request_id, sampler)
-        # tokens produced after the first, as plain decoding counts them (a stop token included)
-        produced = len(reply.token_ids) + (reply.stop_token_id is not None)
-        timing.decode_tokens = max(0, produced - 1)

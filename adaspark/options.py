@@ -49,21 +49,72 @@ class ModelOptions:
         return replace(self, **changes)
 
 
+# A few words on each of Arm's names for --help; the names themselves come from Arm.BASES and
+# Arm.MODIFIERS, so a new arm is listed even before it has words here.
+ARM_NOTES = {
+    "ar": "plain decoding",
+    "chain3": "a drafter chain of at most 3, llama.cpp's default",
+    "chain": "the drafter's whole block as a chain",
+    "tree:N": "N rows, head-based acceptance",
+    "cost": "cost-model width, head-based acceptance",
+    "adaspark": "the paper's arm",
+    "adaspark:N": "its width pinned to N",
+    "ngram": "n-gram trees from the request's own text, no drafter",
+    "ngram:N": "its width pinned to N",
+}
+MODIFIER_NOTES = {
+    "head": "head-based acceptance",
+    "no-ngram": "no n-gram fill",
+    "ratio": "the per-round ratio rule",
+    "no-hysteresis": "no hysteresis in the chooser",
+    "plain": "width-1 plain rounds",
+    "gate": "the draft gate and a paced cold start",
+    "classes": "kernel-class widths",
+    "ladder": "the gate without the pacing",
+}
+
+
+def _named(names, notes: dict[str, str]) -> str:
+    return ", ".join(f"{n} ({notes[n]})" if n in notes else n for n in names)
+
+
+def arm_help() -> str:
+    """--arm's help: every base and modifier Arm.parse takes."""
+    return (f"decoding arm: {_named(Arm.BASES, ARM_NOTES)}; modifiers after ',' or '+': "
+            f"{_named(Arm.MODIFIERS, MODIFIER_NOTES)}; ngram takes only "
+            f"{', '.join(Arm.NGRAM_MODIFIERS)}")
+
+
+def model_help() -> str:
+    """--model's help, from the tables the loader checks: the architectures it builds
+    (config.ARCHITECTURES) and the tensor types it reads (gguf.SUPPORTED_TYPES), those the
+    native forward packs (native.PACKABLE) apart from those it runs on the torch path."""
+    from adaspark.model.config import ARCHITECTURES
+    from adaspark.model.gguf import SUPPORTED_TYPES
+    from adaspark.model.native import PACKABLE
+
+    def names(types) -> str:
+        return ", ".join(t.name for t in sorted(types))
+
+    native = SUPPORTED_TYPES & set(PACKABLE)
+    torch_only = SUPPORTED_TYPES - native
+    text = (f"a local GGUF; architectures: {', '.join(ARCHITECTURES)}; tensor types: "
+            f"{names(native)} (native)")
+    if torch_only:
+        text += f", {names(torch_only)} (dequantised, torch path)"
+    return text + "; default: the embedded SmolLM2"
+
+
 def add_model_options(parser: argparse.ArgumentParser, model_default: str | None = None) -> None:
     """The flags of ModelOptions, shared by every command that loads a model and decodes."""
-    parser.add_argument("--model", metavar="PATH", default=model_default,
-                        help="a local GGUF (llama, qwen2, qwen3); default: the embedded SmolLM2")
+    parser.add_argument("--model", metavar="PATH", default=model_default, help=model_help())
     parser.add_argument("--precision", choices=("fast", "reference"), default="fast",
-                        help="fast: packed 4/8-bit kernels; reference: float32 (validation)")
+                        help="fast: the packed kernels on the file's own types; reference: "
+                             "float32 (validation)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     parser.add_argument("--arm", metavar="ARM", type=arm_type,
-                        help="decoding arm: ar, chain3, chain, tree:N, cost, adaspark, "
-                             "adaspark:N, ngram (n-gram trees from the request's own text, "
-                             "no drafter), with modifiers after ',' or '+' (plain: width-1 plain "
-                             "rounds, gate: the draft gate and a paced cold start, ladder: "
-                             "the gate without the pacing, classes: kernel-class widths; "
-                             "default: adaspark,gate when a drafter exists for the model, "
-                             "else ngram)")
+                        help=arm_help() + "; default: adaspark,gate when a drafter exists for "
+                             "the model, else ngram")
     parser.add_argument("--drafter", metavar="DIR",
                         help="drafter checkpoint, refused unless trained for this model "
                              "file (default: the shipped one for the model)")

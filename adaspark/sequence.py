@@ -9,6 +9,7 @@ parts of every running request around one shared forward:
   advance()  the reply takes the pending token; stop, length and cancellation are checked here
   row()      the one row to verify: the pending token at depth 0 at the end of the slot
   take()     that row's output: commit the row, pick the next pending token
+(a speculative arm's round runs in the same parts: speculative.RoundDecode).
 A request alone (Engine.generate) and a request beside others (the server) run the same chunks
 and parts, and the forward's rows do not depend on their neighbours, so its tokens are the
 same either way.
@@ -29,8 +30,8 @@ from adaspark.model.transformer import PREFILL_CHUNK
 from adaspark.sampling import Sampler
 
 if TYPE_CHECKING:
-    from adaspark.engine import Reply, Timing
     from adaspark.grammar import GrammarState
+    from adaspark.request import Reply, Timing
 
 StopRequest = Callable[[], bool]  # polled between forwards; True cancels the request
 ONE_ROW = (np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))  # depth 0, sees itself
@@ -44,29 +45,6 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
             break
         n += 1
     return n
-
-
-def prefill(target: Any, slot: CachedTokens, prompt: list[int], timing: Timing,
-            sampler: Sampler | None = None, speculator: Any = None,
-            grammar: GrammarState | None = None) -> int:
-    """Bring `slot` to `prompt`, reusing the prefix it shares; returns the first reply token.
-    speculator: the drafter's cache follows the target's (the engine's own slot only)."""
-    keep = reusable(slot, prompt)
-    start = time.perf_counter()
-    with slot.guard(), target.using(slot.kv):  # a failure leaves the slot clean, not half-full
-        slot.keep(keep)
-        logits = sampler is not None or grammar is not None
-        if speculator is None:
-            out = target.prefill(prompt[keep:], return_logits=logits)
-        else:  # the drafter's cache follows the target's: the same kept prefix, then taps
-            out = target.prefill(prompt[keep:], tap_layers=speculator.tap_layers,
-                                 return_logits=logits)
-            speculator.after_prefill(keep, out.hiddens)
-        slot.prefilled(prompt)
-        slot.check()
-    timing.prefill_s = time.perf_counter() - start
-    timing.reused_tokens = keep
-    return first_token(out, sampler, len(prompt), grammar)
 
 
 def reusable(slot: CachedTokens, prompt: list[int]) -> int:

@@ -6,10 +6,11 @@ verify of those rows → the accept walk → the reply takes the accepted tokens
 one (so a stop inside the path cuts it exactly) → the target and drafter caches commit the rows
 whose tokens the reply kept → the scheduler learns from the measured times.
 
-The round itself is scheduler/driver.py's `run_round` (the simulator and the overhead benchmark
-run the same one); this module is its Target on the engine: the drafter's forward, the target's
-verify, the reply and the cache commits. The driver defines the timed parts (D, verify, commit);
-a plain round skips the drafter, so its D is the plan alone.
+A round is a step of batch.py's `Batch` (`RoundDecode`: a request alone is a batch of one, the
+server's requests share each step's verify call): row() plans it (D, the draft included), the
+batch verifies, take() accepts, commits and learns. The parts and their timing are those of
+scheduler/driver.py's `run_round`, which the simulator and the overhead benchmark run (D,
+verify, commit); a plain round skips the drafter, so its D is the plan alone.
 
 Sampling (sampling.py): a verified row's pick is its position-keyed Gumbel-max token instead of
 its argmax, made only for the rows on the path the accept walk takes (timed with the verify), and
@@ -36,15 +37,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from adaspark import constrained, threads
-from adaspark.cached import CachedTokens
+from adaspark import constrained
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler
 from adaspark.scheduler.arm import MAX_WIDTH, Arm
 from adaspark.scheduler.budget import StepPrice, allocate
 from adaspark.scheduler.chooser import BandRate
-from adaspark.scheduler.driver import Committed, Target, run_round
 from adaspark.scheduler.plan import Outcome, Plan, RequestState
 from adaspark.scheduler.record import RoundRecord, RoundTimes
 from adaspark.scheduler.round import Scheduler
@@ -53,7 +52,7 @@ from adaspark.scheduler.tree import Block
 from adaspark.sequence import Decode
 
 if TYPE_CHECKING:
-    from adaspark.engine import Timing
+    from adaspark.request import Timing
 
 _log = logging.getLogger(__name__)
 # While other requests run, a finished request's learned state waits for the batch's last one to
@@ -116,45 +115,6 @@ def take_path(reply: Any, sampler: Sampler | None, adjusted: dict[int, Any], out
     return outcome.rows[:keep], emitted, done
 
 
-class _EngineTarget(Target):
-    """The driver's Target on the engine: drafter, target verify, reply and cache commits."""
-
-    def __init__(self, spec: Speculator, anchor: int, reply: Any, cache: CachedTokens,
-                 sampler: Sampler | None) -> None:
-        self.spec, self.anchor, self.reply, self.cache, self.sampler = (
-            spec, anchor, reply, cache, sampler)
-        self._out: Any = None
-        self._adjusted: dict[int, Any] = {}
-
-    def draft(self) -> Block:
-        if self.spec.drafter is None:  # the scheduler asks only on arms that need one
-            raise RuntimeError(f"arm {self.spec.arm} drafted without a drafter")
-        start = self.spec.target.cache.length  # the anchor's position
-        return self.spec.drafter.draft(
-            self.anchor, noise=self.spec.draft_noise(self.spec.drafter, self.sampler, start))
-
-    def verify(self, plan: Plan) -> np.ndarray:
-        spec, sampler = self.spec, self.sampler
-        start = spec.target.cache.length
-        self._out = out = spec.target.verify(plan.tokens, plan.depths, plan.mask,
-                                             tap_layers=spec.tap_layers,
-                                             return_logits=sampler is not None)
-        if sampler is None:
-            return out.argmax.cpu().numpy()  # the copy waits for an asynchronous device
-        argmax, self._adjusted = sample_path(sampler, out.logits.cpu(), plan, start)
-        return argmax
-
-    def commit(self, outcome: Outcome) -> Committed:
-        rows, emitted, done = take_path(self.reply, self.sampler, self._adjusted, outcome)
-        t = time.perf_counter()
-        self.spec.target.commit(rows)
-        if self.spec.drafter is not None:
-            self.spec.drafter.observe(self._out.hiddens, rows=rows)
-        commit_s = time.perf_counter() - t
-        self.cache.commit(outcome.plan.tokens[rows])
-        return Committed(rows, emitted, done, commit_s)
-
-
 class RoundDecode(Decode):
     """One request's speculative rounds as steps of a Batch, beside other requests: row() plans
     its round on the shared scheduler (its own RequestState: n-gram index, anchor, counters),
@@ -177,12 +137,15 @@ class RoundDecode(Decode):
 
     def advance(self, capacity: int) -> bool:
         """The first decode step: the reply takes the prefill's pick, the scheduler a request;
-        every step: stop, length and cancellation (as Speculator.decode checks them)."""
+        every step: stop, length and cancellation."""
         if self.request is None:
             temperature = self.sampler.params.temperature if self.sampler is not None else 0.0
             self.request = self.spec.scheduler.begin_request([*self.slot.ids, self.token],
                                                              temperature=temperature)
             self.request.constraint = self.grammar  # its trees keep the legal candidates
+            # the prompt's n-gram index is prompt work, before the first token: the decode
+            # time (Timing.decode_s) starts after it
+            self._decode_start = time.perf_counter()
             self.spec.running += 1
             if self.reply.push(self.token):
                 return self._stop()
@@ -230,7 +193,7 @@ class RoundDecode(Decode):
     def take(self, argmax: Any, logits: Any = None, step: Any = None,
              taps: Any = None) -> None:
         """Accept on the verified rows, the reply takes the path, the slot commits the kept
-        rows, the scheduler learns. A round alone in its call learns as Speculator.decode's;
+        rows, the scheduler learns. A round alone in its call learns as driver.run_round's;
         beside others its verify time is the shared call's, so it teaches no price
         (Speculator.learn_shared_verify teaches the call's at its total rows)."""
         sched, plan, sampler = self.spec.scheduler, self._plan, self.sampler
@@ -271,8 +234,9 @@ class RoundDecode(Decode):
             self._stop()
 
     def _stop(self) -> bool:
-        """The request ends: its decode time and tokens (as Engine counts a speculative
-        reply's), then the scheduler's end of request and the learned store."""
+        """The request ends: its decode time and tokens (the tokens produced after the first,
+        a stop token included, as plain decoding counts them), then the scheduler's end of
+        request and the learned store."""
         super()._stop()
         produced = len(self.reply.token_ids) + (self.reply.stop_token_id is not None)
         self.timing.decode_tokens = max(0, produced - 1)
@@ -322,62 +286,7 @@ class Speculator:
     def tap_layers(self) -> tuple[int, ...]:
         return () if self.drafter is None else tuple(self.drafter.tap_layers)
 
-    # ----- caches --------------------------------------------------------------------------
-    def reset(self) -> None:
-        if self.drafter is not None:
-            self.drafter.reset()
-
-    def after_prefill(self, keep: int, hiddens: dict) -> None:
-        """The target kept `keep` cached tokens and prefilled the rest with these taps; the
-        drafter's features of them are made now, with the prompt (docs/round.md)."""
-        if self.drafter is not None:
-            self.drafter.truncate(min(keep, self.drafter.length))
-            self.drafter.observe(hiddens)
-            self.drafter.catch_up()
-
-    # ----- one reply -----------------------------------------------------------------------
-    def decode(self, anchor: int, reply: Any, cache: CachedTokens, capacity: int,
-               timing: Timing, should_stop: Callable[[], bool] | None = None,
-               request_id: str | None = None, sampler: Sampler | None = None) -> None:
-        """Decode after the prefill until the reply finishes. anchor: the prefill's pick;
-        reply: the engine's Reply (stops); cache: the engine's cached tokens, extended with
-        every committed token; timing: the request's, whose round counters and decode time
-        this writes; sampler: None is greedy."""
-        sched = self.scheduler
-        temperature = sampler.params.temperature if sampler is not None else 0.0
-        # the prompt's n-gram index: prompt work, before the first token (docs/round.md)
-        sched.begin_request([*cache.ids, anchor], temperature=temperature)
-        start = time.perf_counter()
-        try:
-            with cache.guard():
-                done = reply.push(anchor)
-                if sampler is not None:
-                    sampler.observe(anchor)
-                target = _EngineTarget(self, anchor, reply, cache, sampler)
-                while not done:
-                    length = self.target.cache.length
-                    if length >= capacity:
-                        reply.end("length")
-                        break
-                    if should_stop is not None and should_stop():
-                        reply.end("cancelled")
-                        break
-                    done = self._round(target, capacity - length, timing, request_id)
-                timing.decode_s = time.perf_counter() - start
-        finally:
-            self._end_request()
-
-    def _round(self, target: _EngineTarget, room: int, timing: Timing,
-               request_id: str | None) -> bool:
-        threads.adapt()  # fewer threads while other processes keep cores busy
-        ctx = self.target.cache.length + 1  # committed tokens, the anchor included
-        result = run_round(self.scheduler, target, ctx, self.stop_ids, room)
-        target.anchor = result.outcome.bonus
-        self.report(result.record, RoundTrace(result.plan, result.argmax, result.outcome,
-                                              list(result.committed.rows),
-                                              result.committed.emitted), timing, request_id)
-        return result.committed.done
-
+    # ----- the batch's rounds (RoundDecode) ------------------------------------------------
     def share_rows(self, seqs: list, rows: list[tuple]) -> list[tuple]:
         """Batch.before_verify: the shared row budget (docs/round.md, "Under load"). Each
         request's plain row first, then every request's planned candidates best-first by Q,

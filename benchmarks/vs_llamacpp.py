@@ -265,8 +265,9 @@ def encode(tokenizer, messages: list[dict], raw: bool) -> list[int]:
 def run_benchmark(args: argparse.Namespace, venv: Path, cpuinfo: str) -> dict:
     import torch
 
-    from adaspark.engine import Engine, common_prefix
+    from adaspark.engine import Engine
     from adaspark.model.sources import default_model_path
+    from adaspark.sequence import common_prefix
 
     torch.set_num_threads(args.threads)
     model = Path(args.model) if args.model else default_model_path()

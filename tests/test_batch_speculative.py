@@ -3,9 +3,9 @@ embedded model, arm `ngram` and the drafting arms (`adaspark,gate`, `adaspark`, 
 drafter): every running request plans its own tree on the one shared scheduler (drafting on its
 own slot's drafter), all their rows go through one verify call per step (tapping the drafter's
 layers), each accepts and commits its own path to its target and drafter caches. A request's
-tokens equal its solo run's (Speculator.decode) token for token, greedy and seeded, joining and
-leaving at any step; cancellation and a failing request end alone; the shared scheduler learns
-from every request's rounds; the server's worker batches the arms."""
+tokens equal its solo run's (Engine.generate: a batch of one) token for token, greedy and
+seeded, joining and leaving at any step; cancellation and a failing request end alone; the
+shared scheduler learns from every request's rounds; the server's worker batches the arms."""
 
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ import pytest
 import torch
 
 from adaspark.drafter.loading import load_drafter
-from adaspark.engine import Engine, Timing
+from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
 from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.round import Scheduler
-from adaspark.sequence import prefill
 from adaspark.server.worker import EngineWorker, Job, QueueFull
 from adaspark.speculative import RoundDecode, Speculator
 
@@ -76,7 +75,7 @@ def drafting(request, fast_model, model_path, drafter):
 
 
 def solo(engine, prompt, **kw):
-    """The request alone, from an empty cache, through Speculator.decode (not the batch)."""
+    """The request alone, from an empty cache, through Engine.generate (a batch of one)."""
     engine.reset()
     return engine.generate(prompt, **kw)
 
@@ -138,6 +137,48 @@ def planned_rows(sched):
 def same(got, want):
     return (got.token_ids, got.text, got.finish_reason, got.stop_token_id) == (
         want.token_ids, want.text, want.finish_reason, want.stop_token_id)
+
+
+def test_a_request_alone_runs_its_rounds_as_steps_of_a_batch_of_one(engine):
+    """Engine.generate decodes a speculative arm as the server does: a RoundDecode in the
+    engine's batch, one round a Batch.step and one verify_many call each, the first step after
+    the prompt's prefill (a prompt shorter than a chunk prefills as it joins). Its timing counts
+    every round the round hook saw."""
+    assert not hasattr(Speculator, "decode")  # no second loop beside the batch's
+    steps, calls, traces = [], [], []
+    batch_step, verify_many = engine.batch.step, engine.target.verify_many
+    engine.batch.step = lambda: steps.append(1) or batch_step()
+    engine.target.verify_many = lambda caches, rows, **kw: (
+        calls.append([len(r[0]) for r in rows]) or verify_many(caches, rows, **kw))
+    engine.speculator.round_hook = traces.append
+    try:
+        gen = solo(engine, PROMPTS[0], max_tokens=24)
+    finally:
+        del engine.batch.step, engine.target.verify_many
+    t = gen.timings
+    rounds = t.draft_rounds + t.plain_rounds + t.ngram_rounds
+    assert rounds == len(traces) == len(steps) == len(calls) > 0
+    assert all(len(c) == 1 for c in calls)  # alone in every call
+    assert t.verified_rows == sum(sum(c) for c in calls) == sum(tr.plan.rows for tr in traces)
+    produced = len(gen.token_ids) + (gen.stop_token_id is not None)
+    assert t.decode_tokens == produced - 1 == sum(len(tr.emitted) for tr in traces)
+    assert not engine.batch.running and engine.speculator.running == 0
+    assert engine.cache.ids == gen.prompt_token_ids + gen.token_ids  # the engine's own slot
+
+
+def test_a_request_s_decode_time_starts_after_its_ngram_index(engine, monkeypatch):
+    """The prompt's n-gram index is prompt work (docs/round.md): neither in the reply's decode
+    time (decode tok/s) nor in its prefill's. A clock that jumps 1000 s while the index is
+    built shows it, whatever the machine's speed."""
+    real, jump = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + jump[0])
+    sched = engine.speculator.scheduler
+    begin = sched.begin_request
+    monkeypatch.setattr(sched, "begin_request",
+                        lambda *a, **kw: jump.__setitem__(0, jump[0] + 1000.0) or begin(*a, **kw))
+    gen = solo(engine, PROMPTS[1], max_tokens=8)
+    assert jump[0] == 1000.0 and gen.timings.decode_tokens > 0
+    assert 0.0 < gen.timings.decode_s < 1000.0 and gen.timings.prefill_s < 1000.0
 
 
 def test_greedy_rounds_beside_others_equal_their_solo_runs(engine):
@@ -699,8 +740,8 @@ def test_a_step_prices_time_at_least_at_the_plain_steps_rate(drafting, monkeypat
 def test_a_prompt_s_drafter_features_are_made_with_its_prefill(drafting):
     """Prompt work happens before the first token: each prefill chunk's features go into the
     slot's drafter in that chunk's own step (a long prompt's first draft used to append them
-    all, in a step every running request waits for), and Speculator.decode's prefill makes
-    them too, so the first draft appends nothing but the rounds' rows (docs/round.md)."""
+    all, in a step every running request waits for), so the first draft appends nothing but
+    the rounds' rows (docs/round.md)."""
     engine = drafting
     prompt = engine.tokenizer.encode_chat(PROMPTS[0])
     engine.reset()
@@ -716,7 +757,3 @@ def test_a_prompt_s_drafter_features_are_made_with_its_prefill(drafting):
     assert made == list(range(8, 8 * len(made) + 1, 8)) and len(made) >= 2
     while engine.batch.running:
         engine.batch.step()
-    engine.reset()
-    prefill(engine.target, engine.cache, prompt, Timing(), None, engine.speculator)
-    drafter = engine.speculator.drafter
-    assert drafter._pending_len == 0 and drafter._cache.length == len(prompt)

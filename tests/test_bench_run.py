@@ -1,7 +1,9 @@
 """`adaspark bench` end to end against the real server and model, killed and resumed, then reported.
 
-Two short conversations from the shipped evaluation subset (two turns of Spec-Bench, one turn of
-ToolACE with its tools), a small cap, two arms. The first run is killed with SIGKILL once a
+Two short conversations of the evaluation subset (two turns of Spec-Bench, one turn of ToolACE
+with its tools), a small cap, two arms. The two records are committed in tests/data (a clean
+clone has no ../shared/data beside it, and the test must run there too); where the shared
+subset is present, the copy is checked against it. The first run is killed with SIGKILL once a
 conversation is finished; the second run must keep that conversation's replies, redo only what
 was cut off, and finish the rest.
 """
@@ -28,7 +30,9 @@ from adaspark.errors import UserError
 
 pytestmark = pytest.mark.slow
 
-EVAL = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
+# The two records, byte for byte as in the evaluation subset (tests/data/README.md: sources).
+BENCH_DATA = Path(__file__).resolve().parent / "data" / "bench_conversations.jsonl"
+SHARED_EVAL = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
 PICK = {"spec_bench/81": 2, "toolace/1": 1}  # conversation -> turns kept (keeps the test short)
 # Plain decode twice: needs no drafter, and greedy decoding must give the same text both times.
 ARMS = "ar,ar#2"
@@ -37,10 +41,8 @@ CAP = 16
 
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory) -> Path:
-    if not EVAL.exists():
-        pytest.skip(f"evaluation data not found at {EVAL}")
     path = tmp_path_factory.mktemp("data") / "two.jsonl"
-    with open(EVAL) as f, open(path, "w") as out:
+    with open(BENCH_DATA) as f, open(path, "w") as out:
         for line in f:
             record = json.loads(line)
             key = f"{record['source']}/{record['id']}"
@@ -48,6 +50,16 @@ def conversations(tmp_path_factory) -> Path:
                 record["turns"] = record["turns"][: PICK[key]]
                 out.write(json.dumps(record) + "\n")
     return path
+
+
+def test_the_committed_conversations_are_the_evaluation_subsets():
+    """Both picked conversations are there, and where the shared subset is beside the checkout
+    (the project's machines; not a clean clone), they are its lines unchanged."""
+    lines = BENCH_DATA.read_text().splitlines()
+    keys = [f"{r['source']}/{r['id']}" for r in map(json.loads, lines)]
+    assert sorted(keys) == sorted(PICK)
+    if SHARED_EVAL.exists():
+        assert set(lines) <= set(SHARED_EVAL.read_text().splitlines())
 
 
 def _bench(conversations: Path, out: Path) -> list[str]:

@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from adaspark import cli
-from adaspark.engine import Engine, Reply
+from adaspark.engine import Engine
 from adaspark.errors import UserError
 from adaspark.model.sources import default_model_path
 from adaspark.model.tokenizer import Tokenizer
+from adaspark.request import Reply
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_round import argmax_following, make_block
 
-from adaspark.engine import Generation, Timing
+from adaspark.request import Generation, Timing
 from adaspark.scheduler import Scheduler
 from adaspark.scheduler.record import RoundTimes
 from adaspark.server.metrics import MAX_POSITION, ServerMetrics, round_kind

@@ -24,10 +24,6 @@ from adaspark.scheduler.arm import Arm
 
 ADASPARK = "adaspark"
 SECOND_RUN = "#2"  # label suffix of AdaSpark's second run (after the pinned arms)
-# an arm, optionally with the engine's modifiers joined by '+' (`adaspark+plain`), because
-# commas already separate the arms of --arms
-_MODIFIERS = "(\\+(" + "|".join(map(re.escape, Arm.MODIFIERS)) + "))*"
-_ARM_PATTERN = re.compile(rf"^(ar|chain3|chain|cost|adaspark|tree:\d+|adaspark:\d+){_MODIFIERS}$")
 
 
 @dataclass(frozen=True)
@@ -58,7 +54,7 @@ def parse_external(specs: list[str]) -> dict[str, str]:
             name, url = "external", spec
         if not name or not url.startswith(("http://", "https://")):
             raise UserError(f"--url {spec!r}: expected NAME=http://HOST:PORT")
-        if _ARM_PATTERN.match(name) or name in out:
+        if _is_arm(name) or name in out:
             raise UserError(f"--url {spec!r}: name {name!r} is taken; pick another")
         out[name] = url
     return out
@@ -77,12 +73,8 @@ def plan_arms(
     names += [n for n in external if n not in names]
     for name in names:
         base = name.removesuffix(SECOND_RUN)
-        if name not in external and not _ARM_PATTERN.match(base):
-            raise UserError(
-                f"unknown arm {name!r}: expected ar, chain3, chain, tree:N, cost, adaspark, "
-                "adaspark:N (modifiers joined with '+': adaspark+plain) or a name given with "
-                "--url NAME=URL"
-            )
+        if name not in external:
+            _check_arm(name, base)
     if len(set(names)) != len(names):
         raise UserError(f"an arm is listed twice in {','.join(names)}")
     explicit_second = any(n.endswith(SECOND_RUN) for n in names)
@@ -96,6 +88,24 @@ def plan_arms(
         else:
             runs.append(ArmRun(label=name, arm=name.removesuffix(SECOND_RUN).replace("+", ",")))
     return runs
+
+
+def _is_arm(name: str) -> bool:
+    try:
+        Arm.parse(name)
+    except UserError:
+        return False
+    return True
+
+
+def _check_arm(name: str, base: str) -> None:
+    """One of our arms, its modifiers joined by '+' (`adaspark+plain`: commas already separate
+    the arms of --arms), as Arm.parse takes it; else a UserError naming what it takes."""
+    try:
+        Arm.parse(base)
+    except UserError as err:
+        raise UserError(f"unknown arm {name!r} ({err}; modifiers joined with '+': "
+                        "adaspark+plain), or name an external server with --url NAME=URL") from None
 
 
 def _die_with_parent() -> None:

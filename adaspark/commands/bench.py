@@ -13,6 +13,7 @@ from adaspark.bench.runner import run_bench
 from adaspark.bench.servers import parse_external, plan_arms
 from adaspark.errors import UserError
 from adaspark.sampling import SamplingParams
+from adaspark.scheduler.arm import Arm
 
 DEFAULT_CONVERSATIONS = "../shared/data/eval/conversations.jsonl"
 
@@ -21,9 +22,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=Path, default=Path(DEFAULT_CONVERSATIONS),
                         help="conversations JSONL (default: %(default)s)")
     parser.add_argument("--arms", default="",
-                        help="comma-separated: ar, chain3, chain, tree:N, cost, adaspark, "
-                             "adaspark:N (modifiers with '+': adaspark+plain), or a --url name; "
-                             "adaspark runs first and again last")
+                        help=f"comma-separated: {', '.join(Arm.BASES)} (modifiers joined "
+                             f"with '+': {', '.join(Arm.MODIFIERS)}; e.g. adaspark+gate), or a "
+                             "--url name; adaspark runs first and again last")
     parser.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                         help="an external OpenAI-compatible server as an arm (repeatable)")
     parser.add_argument("--cap", type=int, default=1024, help="max tokens per reply")

@@ -7,9 +7,10 @@ import argparse
 import json
 import sys
 
-from adaspark.engine import Engine, Generation
+from adaspark.engine import Engine
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions, add_model_options
+from adaspark.request import Generation
 from adaspark.sampling import SamplingParams
 
 

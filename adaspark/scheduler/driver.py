@@ -1,9 +1,11 @@
 """The one round driver: Algorithm 1's plan → verify → accept → commit → learn, in this order.
 
-The engine (speculative.py), the simulator (sim/run.py) and the overhead benchmark
-(benchmarks/scheduler_overhead.py) all decode through `run_round`; what differs between them is
-only the Target they hand in: where the draft, the verify and the commit happen, and which clock
-prices the round. Numpy only, like the rest of the scheduler.
+The simulator (sim/run.py) and the overhead benchmark (benchmarks/scheduler_overhead.py) decode
+through `run_round`; what differs between them is only the Target they hand in: where the draft,
+the verify and the commit happen, and which clock prices the round. The engine runs the same
+parts, timed the same way, as steps of its batch (speculative.RoundDecode: row() plans, the batch
+verifies, take() accepts, commits and learns), so that requests share each verify call. Numpy
+only, like the rest of the scheduler.
 
 Timed parts (time.perf_counter), as the scheduler and the round log define them:
   D       the plan, with the drafter's forward when the round drafts; not verify or commit
@@ -38,7 +40,7 @@ class Committed:
 
 
 class Target:
-    """What a round runs on. Subclasses: speculative._EngineTarget, sim.run._SimTarget."""
+    """What a round runs on (the simulator's: sim.run.SimTarget)."""
 
     def draft(self) -> Block:
         """The drafter's block after the anchor (called only when the round drafts)."""

@@ -229,7 +229,7 @@ class Batch:
         return failed + (self._verify(planned, rows) if planned else [])
 
     def _verify(self, live: list[Decode], rows: list[tuple]) -> list[Decode]:
-        logits = any(seq.sampler is not None for seq in live)
+        logits = any(seq.needs_logits for seq in live)
         start = time.perf_counter()
         try:
             out = self.target.verify_many([seq.slot.kv for seq in live], rows,

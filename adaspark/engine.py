@@ -24,6 +24,7 @@ from typing import Any
 from adaspark.batch import Batch
 from adaspark.cached import CachedTokens
 from adaspark.errors import UserError
+from adaspark.grammar import Grammar, GrammarCompiler, ResponseFormat
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.options import ModelOptions
@@ -44,6 +45,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.speculator = speculator  # None: plain decoding (the `ar` arm)
+        self._grammars: GrammarCompiler | None = None  # built on the first response_format
         # the tokens whose K/V sit in target.cache (and the drafter's): their one owner
         self.cache = CachedTokens(target, speculator.drafter if speculator else None)
         # the running requests (every arm's), the engine's own cache their first slot; the
@@ -108,7 +110,9 @@ class Engine:
                  stop: Sequence[str] = (), on_text: TextCallback | None = None,
                  should_stop: StopRequest | None = None,
                  request_id: str | None = None,
-                 sampling: SamplingParams | None = None) -> Generation:
+                 sampling: SamplingParams | None = None,
+                 response_format: ResponseFormat | Mapping | Grammar | None = None
+                 ) -> Generation:
         """Reply to chat messages (role/content dicts, rendered through the chat template with
         `tools`) or to prompt token ids already rendered. `on_text` receives the reply text as
         it is decoded; `should_stop` is polled between forwards to cancel; sampling: None or
@@ -119,18 +123,22 @@ class Engine:
             ids = self.tokenizer.encode_chat(prompt, tools=tools)
         return self.generate_ids(ids, max_tokens=max_tokens, stop=stop, on_text=on_text,
                                  should_stop=should_stop, request_id=request_id,
-                                 sampling=sampling)
+                                 sampling=sampling, response_format=response_format)
 
     def generate_ids(self, prompt: Sequence[int], *, max_tokens: int = 256,
                      stop: Sequence[str] = (), on_text: TextCallback | None = None,
                      should_stop: StopRequest | None = None,
                      request_id: str | None = None,
-                     sampling: SamplingParams | None = None) -> Generation:
+                     sampling: SamplingParams | None = None,
+                     response_format: ResponseFormat | Mapping | Grammar | None = None
+                     ) -> Generation:
         """Continuation of prompt token ids (the chat template already applied), greedy unless
-        `sampling` says otherwise. request_id names the request in the round log. Every arm
-        runs as a batch of one (batch.py): not while a server drives the batch."""
+        `sampling` says otherwise; response_format: the reply's structure (grammar.py). request_id
+        names the request in the round log. Every arm runs as a batch of one (batch.py): not
+        while a server drives the batch."""
         seq = self.new_decode(prompt, max_tokens=max_tokens, stop=stop, on_text=on_text,
-                              should_stop=should_stop, request_id=request_id, sampling=sampling)
+                              should_stop=should_stop, request_id=request_id, sampling=sampling,
+                              response_format=response_format)
         try:
             if self.batch.add(seq):
                 while not seq.finished:
@@ -145,7 +153,8 @@ class Engine:
     def new_decode(self, prompt: Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), on_text: TextCallback | None = None,
                    should_stop: StopRequest | None = None, request_id: str | None = None,
-                   sampling: SamplingParams | None = None) -> Decode:
+                   sampling: SamplingParams | None = None,
+                   response_format: ResponseFormat | Mapping | Grammar | None = None) -> Decode:
         """A request checked and ready to start (generate_ids' arguments)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -158,11 +167,28 @@ class Engine:
         sampler = None
         if sampling is not None and not sampling.check().greedy:
             sampler = Sampler(sampling, self.target.config.vocab_size)
+        grammar = self.grammar(response_format)
         parts = (prompt, Reply(self.tokenizer, max_tokens, stop, on_text),
                  Timing(prompt_tokens=len(prompt)), sampler, should_stop, request_id)
+        state = None if grammar is None else grammar.start()  # each reply its own
         if self.speculator is not None:  # a round a batch step
-            return RoundDecode(self.speculator, *parts)
-        return Decode(*parts)
+            return RoundDecode(self.speculator, *parts, grammar=state)
+        return Decode(*parts, grammar=state)
+
+    def grammar(self, response_format: ResponseFormat | Mapping | Grammar | None
+                ) -> Grammar | None:
+        """The compiled grammar of a response_format (OpenAI's object, a ResponseFormat, or
+        one compiled already); None for plain text. GrammarError names what it cannot serve."""
+        if response_format is None or isinstance(response_format, Grammar):
+            return response_format
+        if not isinstance(response_format, ResponseFormat):
+            response_format = ResponseFormat.parse(response_format)
+            if response_format is None:
+                return None
+        if self._grammars is None:  # the vocabulary's side once (~0.1 s), the logits' width
+            self._grammars = GrammarCompiler.for_tokenizer(self.tokenizer,
+                                                           self.target.config.vocab_size)
+        return self._grammars.compile(response_format)
 
     @staticmethod
     def result(seq: Decode) -> Generation:

@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaspark import constrained
 from adaspark.cached import CachedTokens
 from adaspark.model.transformer import PREFILL_CHUNK
 from adaspark.sampling import Sampler
 
 if TYPE_CHECKING:
+    from adaspark.grammar import GrammarState
     from adaspark.request import Reply, Timing
 
 StopRequest = Callable[[], bool]  # polled between forwards; True cancels the request
@@ -51,8 +53,15 @@ def reusable(slot: CachedTokens, prompt: list[int]) -> int:
     return min(common_prefix(slot.trusted_prefix(), prompt), len(prompt) - 1)
 
 
-def first_token(out: Any, sampler: Sampler | None, prompt_length: int) -> int:
-    """The prefill's pick after its last row, which sits at position prompt_length - 1."""
+def first_token(out: Any, sampler: Sampler | None, prompt_length: int,
+                grammar: GrammarState | None = None) -> int:
+    """The prefill's pick after its last row, which sits at position prompt_length - 1 (under
+    `grammar`, which then advances over it, where the reply has one)."""
+    if grammar is not None:
+        token, x = constrained.pick(grammar, sampler, out.logits[-1], prompt_length)
+        if sampler is not None:
+            sampler.record(x, token)
+        return token
     if sampler is None:
         return int(out.argmax[-1])
     picks, x = sampler.sample(out.logits[-1:], [prompt_length])
@@ -66,13 +75,15 @@ class Decode:
 
     def __init__(self, prompt: list[int], reply: Reply, timing: Timing,
                  sampler: Sampler | None = None, should_stop: StopRequest | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, grammar: GrammarState | None = None) -> None:
         self.prompt = prompt
         self.reply = reply
         self.timing = timing
         self.sampler = sampler
         self.should_stop = should_stop
         self.request_id = request_id
+        # the reply's grammar (response_format): every pick is masked by it (constrained.py)
+        self.grammar = grammar
         self.slot: CachedTokens | None = None
         self.token: int | None = None  # picked, not yet taken by the reply
         self.error: BaseException | None = None  # what ended it, when it failed
@@ -82,6 +93,11 @@ class Decode:
     @property
     def finished(self) -> bool:
         return self.error is not None or self.reply.done
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its picks read the verified rows' logits (sampling, or a grammar's mask)."""
+        return self.sampler is not None or self.grammar is not None
 
     @property
     def prefilling(self) -> bool:
@@ -105,8 +121,9 @@ class Decode:
         return len(chunk) == len(self._unfilled)
 
     def wants_logits(self, chunk: Seq[int]) -> bool:
-        """Whether prefilling `chunk` needs its logits: the last chunk of a sampled request."""
-        return self.sampler is not None and self.prompt_ends(chunk)
+        """Whether prefilling `chunk` needs its logits: the last chunk of a request whose
+        picks read them (needs_logits)."""
+        return self.needs_logits and self.prompt_ends(chunk)
 
     def prefilled(self, chunk: list[int], out: Any) -> None:
         """The target's cache holds `chunk` now (out: its prefill's output, alone or in
@@ -117,7 +134,7 @@ class Decode:
         self.slot.commit(chunk)
         self._unfilled = self._unfilled[len(chunk):]
         if not self._unfilled:
-            self.token = first_token(out, self.sampler, len(self.prompt))
+            self.token = first_token(out, self.sampler, len(self.prompt), self.grammar)
             self._decode_start = time.perf_counter()
             self.timing.prefill_s = self._decode_start - self._start
 
@@ -158,7 +175,12 @@ class Decode:
         position on."""
         self.slot.kv.commit([0])
         self.slot.commit([self.token])
-        if self.sampler is None:
+        if self.grammar is not None:  # the masked pick (its state stands after self.token)
+            self.token, x = constrained.pick(self.grammar, self.sampler, logits[0],
+                                             len(self.slot))
+            if self.sampler is not None:
+                self.sampler.record(x, self.token)
+        elif self.sampler is None:
             self.token = int(argmax[0])
         else:
             picks, x = self.sampler.sample(logits, [len(self.slot)])

@@ -37,6 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaspark import constrained
 from adaspark.errors import UserError
 from adaspark.options import ModelOptions
 from adaspark.sampling import Sampler
@@ -141,6 +142,7 @@ class RoundDecode(Decode):
             temperature = self.sampler.params.temperature if self.sampler is not None else 0.0
             self.request = self.spec.scheduler.begin_request([*self.slot.ids, self.token],
                                                              temperature=temperature)
+            self.request.constraint = self.grammar  # its trees keep the legal candidates
             # the prompt's n-gram index is prompt work, before the first token: the decode
             # time (Timing.decode_s) starts after it
             self._decode_start = time.perf_counter()
@@ -197,7 +199,10 @@ class RoundDecode(Decode):
         sched, plan, sampler = self.spec.scheduler, self._plan, self.sampler
         start = time.perf_counter()
         adjusted: dict[int, Any] = {}
-        if sampler is None:
+        if self.grammar is not None:  # each path row's pick under its own path's grammar state
+            picks, adjusted = constrained.path_picks(self.grammar, sampler, logits.cpu(), plan,
+                                                     len(self.slot))
+        elif sampler is None:
             picks = argmax  # numpy: Batch._verify converts the step's once
         else:
             picks, adjusted = sample_path(sampler, logits.cpu(), plan, len(self.slot))

@@ -138,6 +138,9 @@ def label_nodes(tree: CandidateTree, labelled_parents, parent_targets) -> Labels
     slot.fill(-1)
     slot[parents + 1] = np.arange(parents.size)
     rank_of = slot[tree.parent + 1]
+    for ruled in (tree.forbidden, tree.certain):  # the grammar's outcome, not the drafter's
+        if ruled is not None:
+            rank_of[ruled] = -1
     nodes = (rank_of >= 0).nonzero()[0]
     rank = rank_of[nodes]
     return Labels(nodes, rank, tree.token[nodes] == targets[rank], int(parents.size))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -63,6 +64,18 @@ class Outcome:
 Draft = Callable[[], Block]  # the drafter's block after the anchor, made on demand
 
 
+class TreeConstraint(Protocol):
+    """What a request's output must obey (grammar.GrammarState, standing after its anchor):
+    the candidates it forbids take no rows; the tokens it forces are candidates priced certain
+    (tree.CandidateTree.constrain)."""
+
+    def survey(self, tokens: np.ndarray, parents: np.ndarray) -> Any:
+        """Of the nodes tokens[i] below parents[i] (-1 the anchor): .illegal bool[n] (the
+        nodes whose path it forbids), .certain bool[n] (legal nodes that are the only legal
+        token at their place) and .forced, [(parent node, tokens)]: chains it forces below
+        legal nodes none of whose candidates is legal, each token the only legal one."""
+
+
 @dataclass
 class RequestState:
     """What one request's rounds carry from round to round (Scheduler.begin_request makes it);
@@ -80,3 +93,5 @@ class RequestState:
     # the chooser's scores from this request's last plan, which learn()'s split test reads
     # (another request may have planned in between)
     chooser_round: dict | None = field(default=None, repr=False)
+    # its structured output's grammar (None: free text): forbidden candidates are priced at 0
+    constraint: TreeConstraint | None = field(default=None, repr=False)

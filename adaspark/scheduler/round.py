@@ -40,7 +40,7 @@ from time import perf_counter
 import numpy as np
 
 from adaspark.errors import UserError
-from adaspark.scheduler.acceptance import AcceptanceModel
+from adaspark.scheduler.acceptance import AcceptanceModel, Scored
 from adaspark.scheduler.arm import Arm
 from adaspark.scheduler.bands import context_band
 from adaspark.scheduler.budget import StepPrice, draft_pays
@@ -69,6 +69,10 @@ STATE_VERSION = 1
 # Modifier `classes` (Table 9): the width table is the 8-bit matrix kernel's row classes, every 8
 # rows up to 64, fixed (no splits) instead of the ladder the cost model refines (§3.2).
 KERNEL_CLASSES = (8, 16, 24, 32, 40, 48, 56, 64)
+# The n-gram bucket and precision logit of a token a request's grammar forces (_constrain):
+# the strongest evidence (a long copy) and a near-certain source; its q is 1 whatever they say.
+FORCED_BUCKET = 0
+FORCED_LOGIT_P = 30.0
 
 
 # a plain round's depths, parents and mask: the same every round, shared (nothing writes into
@@ -371,7 +375,34 @@ class Scheduler:
         tree = self._undrafted_tree(stop_ids)
         if self.index is not None:
             self.index.chains(tree)
+        self._constrain(tree)
         return tree
+
+    def _constrain(self, tree: CandidateTree) -> None:
+        """The request's grammar (if any): the candidates it forbids take no rows; the tokens
+        it forces (each the only legal one) are appended where the candidates end, as n-gram
+        nodes of the strongest evidence, and they and the candidates it makes certain are
+        priced at q = 1 (_certain; tree.constrain)."""
+        constraint = self.request.constraint
+        if constraint is None:
+            return
+        survey = constraint.survey(tree.token, tree.parent)
+        n = tree.n_nodes
+        for parent, chain in survey.forced:
+            tree.add_ngram_chain(parent, chain, [FORCED_BUCKET] * len(chain),
+                                 [FORCED_LOGIT_P] * len(chain))
+        tree.seal()
+        extra = tree.n_nodes - n
+        tree.constrain(np.append(survey.illegal, np.zeros(extra, dtype=bool)),
+                       np.append(survey.certain, np.ones(extra, dtype=bool)))
+
+    @staticmethod
+    def _certain(scored: Scored) -> Scored:
+        """A candidate the grammar makes certain is accepted whenever its parent is: q = 1."""
+        certain = scored.tree.certain
+        if certain is not None:
+            scored.q = np.where(certain, 1.0, scored.q)
+        return scored
 
     def _undrafted_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
         """CandidateTree.undrafted at the anchor, as a copy of an empty tree made once per
@@ -425,8 +456,8 @@ class Scheduler:
         last = self._last_ranked
         if last is not None and last[0] is tree:
             return last[1]
-        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
-                                       temperature=self.temperature)
+        scored = self._certain(self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                                     temperature=self.temperature))
         self._last_ranked = (tree, (scored, rank(tree, scored.q)))
         return self._last_ranked[1]
 
@@ -512,8 +543,9 @@ class Scheduler:
         if self.index is not None:
             self.index.chains(tree)
             t = self._lap("ngram chains", t)
-        scored = self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
-                                       temperature=self.temperature)
+        self._constrain(tree)
+        scored = self._certain(self.acceptance.score(tree, ctx, head_only=not self.arm.fitted,
+                                                     temperature=self.temperature))
         t = self._lap("q", t)
         ranking = rank(tree, scored.q)
         t = self._lap("order", t)
@@ -578,8 +610,11 @@ class Scheduler:
 
     @staticmethod
     def _chain(tree: CandidateTree, picks: int) -> np.ndarray:
-        """The spine: picks from the first position on, ending after a stop token."""
+        """The spine: picks from the first position on, ending after a stop token or before
+        the first pick the request's grammar forbids."""
         nodes = tree.pick_nodes[:picks]
+        if tree.forbidden is not None and tree.forbidden[nodes].any():
+            nodes = nodes[: int(np.argmax(tree.forbidden[nodes]))]
         stops = np.flatnonzero(tree.stop[nodes])
         return nodes[: stops[0] + 1] if stops.size else nodes
 

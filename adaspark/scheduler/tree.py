@@ -131,6 +131,11 @@ class Block:
 class CandidateTree:
     """Candidates of one round as flat arrays (see module docstring)."""
 
+    # bool[N]: nodes a request's grammar forbids, and nodes it makes certain (the only legal
+    # token at their place); None: no grammar, or no such node (constrain())
+    forbidden: np.ndarray | None = None
+    certain: np.ndarray | None = None
+
     def __init__(self, anchor: int, B: int, K: int, arrays: dict, stop_ids=()):
         self.anchor = int(anchor)
         self.B, self.K = B, K
@@ -310,6 +315,19 @@ class CandidateTree:
         self._pending = ([], [], [], [], [])
         self._seal_stop()
 
+    def constrain(self, illegal: np.ndarray, certain: np.ndarray) -> None:
+        """Mark the nodes whose path the request's grammar forbids (scheduler/plan.py's
+        TreeConstraint), ranked like a stop's subtree (Q = 0) so that they never take a row,
+        and the nodes it makes certain, which the scheduler prices at q = 1. Neither teaches
+        the acceptance model: their outcome is the grammar's, not the drafter's."""
+        illegal = np.asarray(illegal, dtype=bool).reshape(-1)
+        certain = np.asarray(certain, dtype=bool).reshape(-1)
+        if illegal.shape != (self.n_nodes,) or certain.shape != (self.n_nodes,):
+            raise ValueError(f"illegal has {illegal.size} nodes and certain {certain.size}, "
+                             f"the tree {self.n_nodes}")
+        self.forbidden = illegal if illegal.any() else None
+        self.certain = certain if certain.any() else None
+
     def _seal_stop(self) -> None:
         # a handful of stop ids: one broadcast compare beats np.isin's sort at this size
         if self.stop_ids.size == 1:
@@ -344,6 +362,8 @@ def path_log_keys(tree: CandidateTree, q: np.ndarray) -> np.ndarray:
     val[:N] = np.maximum(log_q * _LOG_SCALE, _LOG_ZERO)
     if tree.stop.any():
         val[:N][tree.stop] = _LOG_ZERO
+    if tree.forbidden is not None:
+        val[:N][tree.forbidden] = _LOG_ZERO
     ptr = np.empty(N + 1, dtype=np.int64)
     ptr[N] = N
     ptr[:N] = tree.parent

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from adaspark.errors import UserError
+from adaspark.grammar import GrammarError
 from adaspark.model.tokenizer import StreamDecoder
 from adaspark.sampling import shifted_seed
 from adaspark.server.auth import ApiKey, ApiKeyMiddleware, is_open
@@ -180,7 +181,9 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
                 return busy_response()
             try:
                 prompt_ids, reply, sampling, param = await prepare(req, engine)
-                jobs = choice_jobs(engine, req, prompt_ids, reply, sampling, param, place)
+                grammar = await compiled_grammar(engine, req)
+                jobs = choice_jobs(engine, req, prompt_ids, reply, sampling, param, place,
+                                   grammar)
             except BaseException:
                 place.release()
                 raise
@@ -254,8 +257,19 @@ class Turns:
             self._slots.release()
 
 
+async def compiled_grammar(engine: Any, req: GenerationRequest) -> Any:
+    """The request's response_format compiled once for its n choices (None: free text); a
+    schema the library cannot compile is the client's 400."""
+    if (structure := req.structured()) is None:
+        return None
+    try:
+        return await asyncio.to_thread(engine.grammar, structure)
+    except GrammarError as err:
+        raise RequestError(str(err), param=err.param) from None
+
+
 def choice_jobs(engine: Any, req: GenerationRequest, prompt_ids: list[int], reply: Reply,
-                sampling: Any, param: str, place: Place) -> list[Job]:
+                sampling: Any, param: str, place: Place, grammar: Any = None) -> list[Job]:
     """A checked request's jobs: its n choices, all under the request's cancel flag (one
     client: leaving cancels every choice)."""
     room = engine.context_length - len(prompt_ids)
@@ -268,7 +282,8 @@ def choice_jobs(engine: Any, req: GenerationRequest, prompt_ids: list[int], repl
         )
     cap = req.token_cap()
     return [Job(prompt_ids, min(cap, room) if cap else room, req.stop_strings(), reply.id,
-                cancel=place.cancel, sampling=choice_sampling(sampling, i))
+                cancel=place.cancel, sampling=choice_sampling(sampling, i),
+                response_format=grammar)
             for i in range(req.n or 1)]
 
 

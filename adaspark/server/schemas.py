@@ -5,7 +5,8 @@ field, rather than silently ignored, because it would change the reply the clien
 Sampling (adaspark/sampling.py): temperature [0, 2] (0 or absent: greedy), top_p (0, 1], top_k
 >= 0 (0: off), an int64 seed, penalties in [-2, 2], logprobs with top_logprobs 0-20, and n
 choices (n seeded samples, choice i with seed + i, run one after another). Up to MAX_STOPS stop
-strings of up to MAX_STOP_CHARS characters each.
+strings of up to MAX_STOP_CHARS characters each. response_format: text, json_object or
+json_schema (grammar.py; the server compiles the schema, a 400 where it cannot).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from adaspark.grammar import GrammarError, ResponseFormat
 from adaspark.sampling import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, SamplingParams
 
 MAX_CHOICES = 16  # n: the choices run one after another, so a cap bounds one request's time
@@ -149,15 +151,26 @@ def _stop_schema(props: dict[str, Any]) -> None:
                                   {"type": "array", "items": bounded, "maxItems": MAX_STOPS}]
 
 
+def _response_format_schema(props: dict[str, Any]) -> None:
+    """OpenAI's three response formats (grammar.ResponseFormat.parse reads them)."""
+    def kind(name: str, **more: Any) -> dict[str, Any]:
+        return {"type": "object", "properties": {"type": {"const": name}, **more},
+                "required": ["type", *more]}
+
+    spec = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "schema": {"type": "object"},
+                                             "strict": {"type": ["boolean", "null"]}}}
+    props["response_format"]["anyOf"] = [kind("text"), kind("json_object"),
+                                         kind("json_schema", json_schema=spec), {"type": "null"}]
+
+
 def _request_schema(schema: dict[str, Any]) -> None:
     """The JSON schema says what check_supported refuses (pydantic sees only the types), so a
     client or a fuzzer that follows it is not refused."""
     props = schema["properties"]
     _stop_schema(props)
+    _response_format_schema(props)
     props["tool_choice"]["anyOf"] = [{"enum": ["auto", "none"]}, {"type": "null"}]
-    props["response_format"]["anyOf"] = [
-        {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-         "additionalProperties": False}, {"type": "null"}]
 
 
 class GenerationRequest(BaseModel):
@@ -179,6 +192,14 @@ class GenerationRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    response_format: dict[str, Any] | None = None
+
+    def structured(self) -> ResponseFormat | None:
+        """The reply's structure (None: free text); a RequestError names a malformed one."""
+        try:
+            return ResponseFormat.parse(self.response_format)
+        except GrammarError as err:
+            raise RequestError(str(err), param=err.param) from None
 
     def _refusals(self) -> list[tuple[bool, str, str]]:
         """(refused, param, why) for what this kind of request cannot have."""
@@ -203,6 +224,7 @@ class GenerationRequest(BaseModel):
             if len(stop) > MAX_STOP_CHARS:
                 raise RequestError(f"a stop string is {len(stop)} characters; at most "
                                    f"{MAX_STOP_CHARS} are allowed", param="stop")
+        self.structured()
 
     def sampling(self) -> SamplingParams:
         """The request's sampling, with a seed drawn when sampling without one (returned to the
@@ -237,14 +259,11 @@ class ChatRequest(GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def _refusals(self) -> list[tuple[bool, str, str]]:
         return [
             (bool(self.top_logprobs) and not self.logprobs, "top_logprobs",
              "top_logprobs needs logprobs: true"),
-            (self.response_format not in (None, {"type": "text"}), "response_format",
-             "only the text response_format is supported"),
             (self.tool_choice not in (None, "auto", "none"), "tool_choice",
              "tool_choice must be 'auto' or 'none': a tool call cannot be forced"),
         ]
@@ -272,7 +291,8 @@ class ChatRequest(GenerationRequest):
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        """Under a response_format the reply is that structure, never a tool call."""
+        return bool(self.tools) and self.tool_choice != "none" and self.structured() is None
 
 
 TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
@@ -283,6 +303,7 @@ def _completion_schema(schema: dict[str, Any]) -> None:
     (empty, or more than one)."""
     props = schema["properties"]
     _stop_schema(props)
+    _response_format_schema(props)
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
     props["prompt"] = {"anyOf": [
         {"type": "string", "minLength": 1}, ids,

@@ -80,6 +80,7 @@ class Job:
     on_text: Callable[[str], None] | None = None  # called on the engine thread with new text
     cancel: threading.Event = field(default_factory=threading.Event)
     sampling: Any = None  # a SamplingParams; None: greedy
+    response_format: Any = None  # a compiled grammar.Grammar; None: free text
 
 
 def available_memory() -> int | None:
@@ -271,7 +272,8 @@ class EngineWorker:
                 seq = self.engine.new_decode(
                     job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop,
                     on_text=job.on_text, should_stop=job.cancel.is_set,
-                    request_id=job.request_id, sampling=job.sampling)
+                    request_id=job.request_id, sampling=job.sampling,
+                    response_format=job.response_format)
             except Exception as err:  # a request the engine refuses (e.g. too long)
                 self._settle(job, future, None, err)
                 continue

@@ -1,0 +1,69 @@
+"""The picks of a reply under a grammar (grammar.py), exact under tree speculation.
+
+Plain decoding under a grammar takes, at each position, the target's argmax (or its seeded
+Gumbel-max sample, sampling.py) over the tokens the grammar allows after the reply so far. A
+verified tree row stands at the end of its own path (the committed tokens, then its ancestors'),
+so its pick is taken under the grammar state of that path: path_picks walks the rows the accept
+walk will take, one at a time as sample_path does, advancing one state over each pick; the walk
+reads no other row (they stay -1). So every row the walk reads is picked as plain decoding would
+pick it there, and the reply equals `ar`'s under the same grammar token for token, on every arm.
+
+The state advances over every pick, the last one (the bonus) included, except a stop token,
+which ends the reply: after a step the state stands where the reply's next pick is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from adaspark.grammar import GrammarState
+from adaspark.sampling import Sampler
+
+
+def masked(logits_row: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """A float32 copy of one row of logits [vocab] with the tokens the grammar forbids at -inf."""
+    return torch.where(torch.from_numpy(allowed), logits_row.float(), -torch.inf)
+
+
+def pick(state: GrammarState, sampler: Sampler | None, logits_row: torch.Tensor,
+         position: int, path: Sequence[int] = ()) -> tuple[int, Any]:
+    """The token at absolute `position` under `state` (which then advances over it): the masked
+    row's argmax, or its sample; path: the tokens before it not yet in the reply (a tree row's
+    ancestors), which the penalties count. Returns (token, the row for Sampler.record: the
+    adjusted target distribution before the mask, as logprobs report it; None when greedy)."""
+    x = masked(logits_row, state.allowed())
+    if sampler is None:
+        token, adjusted = int(x.argmax()), None
+    else:
+        paths = [list(path)] if sampler.params.penalised else None
+        picks, _ = sampler.sample(x[None], [position], paths)
+        token = int(picks[0])
+        adjusted = sampler.adjusted(logits_row[None], paths)[0] if sampler.params.logprobs \
+            else None
+    state.advance(token)
+    return token, adjusted
+
+
+def path_picks(state: GrammarState, sampler: Sampler | None, logits: torch.Tensor, plan: Any,
+               start: int) -> tuple[np.ndarray, dict[int, Any]]:
+    """Each row's pick along the path the accept walk takes (speculative.sample_path's walk,
+    under the grammar): a row at depth d picks position start + d + 1 under the state after its
+    ancestors' tokens. Returns the picks [rows] (-1 off the path) and the rows for
+    Sampler.record by row; `state` ends after the last pick."""
+    child = {(int(parent), int(token)): row for row, (parent, token)
+             in enumerate(zip(plan.parents, plan.tokens, strict=True)) if row}
+    picks = np.full(plan.rows, -1, dtype=np.int64)
+    adjusted: dict[int, Any] = {}
+    path: list[int] = []
+    row: int | None = 0
+    while row is not None:
+        token, adjusted[row] = pick(state, sampler, logits[row],
+                                    start + int(plan.depths[row]) + 1, path)
+        picks[row] = token
+        path.append(token)
+        row = child.get((row, token))
+    return picks, adjusted

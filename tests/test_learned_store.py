@@ -83,12 +83,16 @@ def test_restore_loads_unless_fresh_and_refuses_another_version(tmp_path):
     restored = Scheduler("adaspark")
     assert restore(restored, store) is None
     assert as_json(restored.state_dict()) == as_json(learned.state_dict())
+    saved = store.path.read_text()
     fresh = Scheduler("adaspark")
     assert restore(fresh, store, fresh=True) is None
     assert as_json(fresh.state_dict()) == empty
+    # --fresh starts over without losing the store: it is set aside, not overwritten
+    (replaced,) = tmp_path.glob(f"{store.path.name}.replaced-*")
+    assert replaced.read_text() == saved and not store.path.exists()
 
     other = open_store(tmp_path, fingerprint("another model", "d", TARGET, "adaspark"))
-    other.path.write_text(store.path.read_text())  # a store copied under the wrong name
+    other.path.write_text(saved)  # a store copied under the wrong name
     assert "fingerprint" in restore(Scheduler("adaspark"), other)
     assert not other.path.exists()  # set aside, never used
 

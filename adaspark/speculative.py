@@ -259,7 +259,7 @@ class Speculator:
         self.drafter = drafter
         self.scheduler = scheduler
         self.stop_ids = sorted(int(t) for t in stop_ids)
-        self.store = store
+        self.store = store  # with the state it last held (save() merges against it)
         self.round_log_path = Path(round_log) if round_log else None
         self._log: IO[str] | None = None
         self.round_hook: RoundHook | None = None
@@ -273,8 +273,15 @@ class Speculator:
         # beside others: the decayed mean host ms a round (plan and learn), [undrafted, drafted]
         self.plan_ms: list[float | None] = [None, None]
         self._saved_at = time.monotonic()  # when the store was last saved (or made)
-        # the store with the state last read from or written to it (save() merges against it)
-        self._shared = SharedState(scheduler, store) if store is not None else None
+
+    @property
+    def store(self) -> Store | None:
+        return None if self._shared is None else self._shared.store
+
+    @store.setter
+    def store(self, store: Store | None) -> None:
+        """The store now holds what the scheduler holds: save() merges from here on."""
+        self._shared = None if store is None else SharedState(self.scheduler, store)
 
     @property
     def arm(self) -> str:

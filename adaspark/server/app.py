@@ -112,7 +112,8 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
         app.state.worker = EngineWorker(watch.loader(load_engine), parallel, queue_limit)
         watch.watch(app.state.worker)
         yield
-        app.state.worker.close()
+        # SIGTERM: the engine ends its requests and saves what it learned before the exit
+        await asyncio.to_thread(app.state.worker.close)
 
     app = FastAPI(title="adaspark", lifespan=lifespan)
     app.state.watch = watch
@@ -129,6 +130,9 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
 
     def ready_engine() -> Any:
         worker = app.state.worker
+        if worker.fault is not None:  # the engine thread stopped (the cause is in the log)
+            raise Unavailable(503, "the engine stopped after an internal error; restart the "
+                                   "server")
         if worker.load_error is not None:
             raise Unavailable(500, f"the model failed to load: {worker.load_error}")
         if not worker.ready:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -194,9 +193,11 @@ HELLO = [{"role": "user", "content": "Name three colours."}]
 
 
 def block_saves(store):
-    """Make the store's saves fail as a full or read-only disk would, in the write itself: a
-    directory takes the name of the temporary file the save writes. Returns it (rmdir ends it)."""
-    blocker = store.directory / f".{store.path.name}.tmp-{os.getpid()}"
+    """Make the store's saves fail as a read-only disk would (the tests run as root, whom a
+    mode does not stop): a directory takes the name of the lock file every save opens for
+    writing. Returns it (rmdir ends it)."""
+    blocker = store.lock_path
+    blocker.unlink(missing_ok=True)  # the lock file of earlier saves (no save holds it now)
     blocker.mkdir(parents=True)
     return blocker
 

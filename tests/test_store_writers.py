@@ -183,6 +183,20 @@ def test_a_store_of_another_version_is_set_aside_a_bounded_number_of_times(tmp_p
     assert {json.loads(p.read_text())["state"]["n"] for p in kept} == {107, 108, 109}
 
 
+def test_a_scheduler_state_of_another_version_is_set_aside_not_overwritten(tmp_path):
+    store = Store(tmp_path, FINGERPRINT)
+    sched = Scheduler("adaspark")
+    shared = SharedState(sched, store)
+    learn_rounds(sched, seed=5, rounds=10)
+    for n in range(5):  # another build writes its scheduler version between our saves
+        theirs = {**plain_json(sched.state_dict()), "version": 99, "n": n}
+        store.save(theirs)
+        shared.save()
+        assert store.load() == plain_json(sched.state_dict())
+    (kept,) = set_aside(tmp_path)  # before: overwritten, never set aside
+    assert json.loads(kept.read_text())["state"]["n"] == 4
+
+
 WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[3])

@@ -18,7 +18,9 @@ that side's. Where both changed:
     one fit: half of one and half of another would be neither, and the laws refit from their
     own sample banks as requests end.
 A process keeps learning on its own state; the store holds both writers' counts, and a process
-that starts reads them all.
+that starts reads them all. A state of another scheduler version (another build on the same
+directory) is never merged: merge_states raises store.Unusable, and Store.update sets that file
+aside (bounded) before writing ours.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ from typing import Any
 
 from adaspark.errors import UserError
 from adaspark.scheduler.chooser import RATE_DECAY
-from adaspark.scheduler.store import plain_json
+from adaspark.scheduler.store import Unusable, plain_json
 
 
 def merge_states(base: Mapping | None, disk: Mapping | None, ours: Mapping) -> dict:
     """The state to save, from plain JSON values (store.plain_json) of all three."""
     if not disk or disk == base:
         return dict(ours)
-    if disk.get("version") != ours.get("version"):
-        return dict(ours)  # not ours to read; load() sets such a file aside
+    if disk.get("version") != ours.get("version"):  # another build's: set aside, not lost
+        raise Unusable(f"the scheduler cannot read its state (version {disk.get('version')!r}"
+                       f", this build writes {ours.get('version')!r})")
     base = base or {}
     merged: dict[str, Any] = {}
     for key in {*ours, *disk}:

@@ -11,7 +11,10 @@ API (stable):
                                          overwritten by a save, and .rejection says why
         .update(merge) -> dict           load, merge, save as one step under the directory's
                                          lock: merge(state on disk or None) -> the state to
-                                         write (so two writers never lose each other's work)
+                                         write (so two writers never lose each other's work);
+                                         merge raises Unusable for a state it cannot read
+                                         (another scheduler version): that file is set aside
+                                         as load() sets one aside, and merge(None) is written
         .save(state: dict) -> None       update() that writes `state` whatever is on disk
         .set_aside(reason: str, kind="rejected") -> None
                                          move the file on disk out of the way (refused as
@@ -22,6 +25,7 @@ API (stable):
                                          UserError raised) by this object (metrics)
 
     FORMAT_VERSION: int
+    Unusable(reason)                     raised by a merge: the state on disk is not its to read
 
 The fingerprint names what the learned numbers are true of (model file hash, drafter hash,
 device, kernel build, arm): costs and acceptance learned on one are wrong for another, so a
@@ -57,6 +61,10 @@ from adaspark.errors import UserError
 FORMAT_VERSION = 1
 KEEP_SET_ASIDE = 3  # files of one kind ("rejected", "replaced") kept beside a store
 _log = logging.getLogger(__name__)
+
+
+class Unusable(Exception):
+    """A merge's refusal of the state on disk (the reason): it is set aside, never merged."""
 
 
 def _plain(value):
@@ -216,7 +224,11 @@ class Store:
     def _update(self, merge: Callable[[dict | None], dict]) -> dict:
         try:
             with self._locked():
-                state = merge(self._read())  # a file it cannot read is set aside, never lost
+                try:
+                    state = merge(self._read())  # a file it cannot read is set aside
+                except Unusable as why:
+                    self._move_aside(str(why), "rejected")
+                    state = merge(None)
                 self._write(state)
         except OSError as exc:
             raise UserError(f"cannot write learned store {self.path}: {exc}") from None

@@ -187,9 +187,16 @@ class Store:
         _log.warning("%s", self.rejection)
 
     def _prune(self, kind: str) -> None:
-        """Keep the newest KEEP_SET_ASIDE files of `kind` (by their names' timestamps)."""
+        """Keep the newest KEEP_SET_ASIDE files of `kind` (by when they were set aside); a
+        file another process removes meanwhile is no error."""
+        def set_aside_at(path: Path) -> float:
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                return -1.0
+
         kept = sorted(self.directory.glob(f"{self.path.name}.{kind}-*"),
-                      key=lambda p: (p.stat().st_mtime, p.name))
+                      key=lambda p: (set_aside_at(p), p.name))
         for old in kept[:-KEEP_SET_ASIDE]:
             with contextlib.suppress(OSError):
                 old.unlink()

@@ -25,11 +25,17 @@ it (the next turn of a conversation) reuses that prefix; the engine's own cache 
 
 One failing request never takes the others down: a failure in a request's own part fails that
 request alone, and a shared forward that raises is run again one request at a time, so only the
-request whose row fails is failed.
+request whose row fails is failed. The speculator's hooks around the shared call are guarded
+too: a step price that raises is made again for each request alone (each plans as if alone; one
+whose own price raises fails), a row budget that raises leaves every plan whole for that step,
+and shared learning that raises is dropped for that step (logged; the replies are whole). A
+request whose failing raises again (its end-of-request work) is still failed, and its slot is
+never used again.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -43,6 +49,7 @@ from adaspark.cached import CachedTokens
 from adaspark.model.transformer import PREFILL_CHUNK
 from adaspark.sequence import Decode, common_prefix
 
+_log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Step:
@@ -119,7 +126,7 @@ class Batch:
         try:
             seq.start(self._slot_for(seq.prompt))
         except Exception as err:  # this request's failure only
-            seq.fail(err)
+            self._fail(seq, err)
             return False
         self.running.append(seq)
         return True
@@ -127,8 +134,19 @@ class Batch:
     def drop(self, seq: Decode, err: BaseException) -> None:
         """Take `seq` out of the batch, failed by `err` (its slot forgets what it held)."""
         if not seq.finished:
-            seq.fail(err)
+            self._fail(seq, err)
         self.running = [other for other in self.running if other is not seq]
+
+    def _fail(self, seq: Decode, err: BaseException) -> None:
+        """seq.fail(err); where failing raises again (its end-of-request work), `seq` is failed
+        all the same and its slot, whose state is unknown now, leaves the pool."""
+        try:
+            seq.fail(err)
+        except Exception:
+            _log.exception("failing a request raised again; its KV slot is retired")
+            if seq.error is None:
+                seq.error = err
+            self.slots = [slot for slot in self.slots if slot is not seq.slot]
 
     def _slot_for(self, prompt: list[int]) -> CachedTokens:
         """The free slot sharing the longest prefix with `prompt`; a new slot rather than one
@@ -153,12 +171,12 @@ class Batch:
         live, done, filling = [], [], []
         for seq in self.running:
             if seq.prefilling:
-                (filling if _ok(seq, seq.wanted) else done).append(seq)
+                (filling if self._ok(seq, seq.wanted) else done).append(seq)
             else:
-                (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
+                (live if self._ok(seq, seq.advance, self.capacity) else done).append(seq)
 
         def first_token(seq: Decode) -> None:  # its prompt is in: it streams and decodes now
-            (live if _ok(seq, seq.advance, self.capacity) else done).append(seq)
+            (live if self._ok(seq, seq.advance, self.capacity) else done).append(seq)
 
         done += self._prefill(filling, first_token)
         if live:
@@ -199,7 +217,7 @@ class Batch:
             if len(seqs) > 1:
                 return [f for seq, chunk in zip(seqs, chunks, strict=True)
                         for f in self._forward([seq], [chunk])]
-            seqs[0].fail(err)  # its slot forgets what it held
+            self._fail(seqs[0], err)  # its slot forgets what it held
             return seqs
         failed = []
         for seq, chunk, out in zip(seqs, chunks, outs, strict=True):
@@ -207,7 +225,7 @@ class Batch:
                 with seq.slot.guard():
                     seq.prefilled(chunk, out)
             except Exception as err:
-                seq.fail(err)
+                self._fail(seq, err)
                 failed.append(seq)
         return failed
 
@@ -216,17 +234,54 @@ class Batch:
         them all, then each takes its own; returns the requests that failed."""
         planned, rows, failed = [], [], []
         if self.before_plan is not None:
-            self.before_plan(live)
+            failed = self._price(live)
         for seq in live:
+            if seq in failed:
+                continue
             try:
                 rows.append(seq.row())
                 planned.append(seq)
             except Exception as err:  # its own plan failed
-                seq.fail(err)
+                self._fail(seq, err)
                 failed.append(seq)
         if planned and self.before_verify is not None:
-            rows = self.before_verify(planned, rows)
+            planned, rows, unread = self._share(planned, rows)
+            failed += unread
         return failed + (self._verify(planned, rows) if planned else [])
+
+    def _price(self, seqs: list[Decode]) -> list[Decode]:
+        """before_plan over `seqs`; where it raises, again for each request alone (priced as
+        if alone), failing only those whose own call raises. Returns the failed."""
+        try:
+            self.before_plan(seqs)
+            return []
+        except Exception as err:
+            if len(seqs) == 1:
+                self._fail(seqs[0], err)
+                return seqs
+            _log.warning("the step's price failed; each request plans alone this step",
+                         exc_info=True)
+        return [f for seq in seqs for f in self._price([seq])]
+
+    def _share(self, planned: list[Decode], rows: list[tuple]
+               ) -> tuple[list[Decode], list[tuple], list[Decode]]:
+        """before_verify (the shared row budget) over the planned requests; where it raises,
+        each request verifies its plan as it stands (rows(): whole, or as far as a cut got),
+        failing only a request whose rows cannot be read. (requests, their rows, failed)"""
+        try:
+            return planned, list(self.before_verify(planned, rows)), []
+        except Exception:
+            _log.warning("the shared row budget failed; each plan is verified whole this step",
+                         exc_info=True)
+        kept, kept_rows, failed = [], [], []
+        for seq in planned:
+            try:
+                kept_rows.append(seq.rows())
+                kept.append(seq)
+            except Exception as err:
+                self._fail(seq, err)
+                failed.append(seq)
+        return kept, kept_rows, failed
 
     def _verify(self, live: list[Decode], rows: list[tuple]) -> list[Decode]:
         logits = any(seq.needs_logits for seq in live)
@@ -236,7 +291,7 @@ class Batch:
                                           tap_layers=self.tap_layers, return_logits=logits)
         except Exception as err:
             if len(live) == 1:
-                live[0].fail(err)
+                self._fail(live[0], err)
                 return live
             return [seq for one, row in zip(live, rows, strict=True)  # find who fails
                     for seq in self._verify([one], [row])]
@@ -255,18 +310,21 @@ class Batch:
                          else out.logits[at - n:at], step,
                          taps=None if taps is None else taps[at - n:at])
             except Exception as err:
-                seq.fail(err)
+                self._fail(seq, err)
                 failed.append(seq)
         if self.after_verify is not None:
-            self.after_verify(live, step)
+            try:
+                self.after_verify(live, step)
+            except Exception:  # learning only: every request took its tokens already
+                _log.warning("learning from the shared verify failed; this step teaches "
+                             "nothing", exc_info=True)
         return failed
 
-
-def _ok(seq: Decode, call: Callable[..., bool], *args: Any) -> bool:
-    """call(*args) for `seq`; one that raises (its stream callback, its prompt) fails `seq`
-    alone: False."""
-    try:
-        return call(*args)
-    except Exception as err:
-        seq.fail(err)
-        return False
+    def _ok(self, seq: Decode, call: Callable[..., bool], *args: Any) -> bool:
+        """call(*args) for `seq`; one that raises (its stream callback, its prompt) fails
+        `seq` alone: False."""
+        try:
+            return call(*args)
+        except Exception as err:
+            self._fail(seq, err)
+            return False

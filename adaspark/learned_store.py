@@ -66,13 +66,16 @@ def open_store(directory: str | Path | None, fingerprint: dict) -> Store:
 
 def restore(scheduler: Scheduler, store: Store, fresh: bool = False) -> str | None:
     """Load the store into the scheduler unless `fresh`; returns why a saved file was refused
-    (it is set aside, never overwritten, and the scheduler starts empty), else None. A store
-    keyed for another arm family is a caller's error (UserError), never loaded."""
+    (it is set aside, never overwritten, and the scheduler starts empty), else None. `fresh`
+    sets the saved file aside too (`<name>.replaced-<time>`), so starting over loses nothing.
+    A store keyed for another arm family is a caller's error (UserError), never loaded."""
     family = arm_family(scheduler.arm)
     if store.fingerprint.get("arm") != family:
         raise UserError(f"learned store {store.path} is keyed for arm "
                         f"{store.fingerprint.get('arm')!r}, not {family!r}")
     if fresh:
+        if store.path.exists():
+            store.set_aside("not used (--fresh)", kind="replaced")
         return None
     state = store.load()
     if state:

@@ -32,7 +32,7 @@ class ModelOptions:
     # speculative.NO_DRAFTER_ARM (ngram)
     drafter: str | Path | None = None  # a checkpoint directory (None: the shipped one)
     store: str | Path | None = None  # the learned store's directory (None: the user cache)
-    fresh: bool = False  # start from an empty learned store (it is still saved)
+    fresh: bool = False  # start from an empty learned store (saved; the old one set aside)
     round_log: str | Path | None = None  # a JSONL file, one line per round (record.py)
 
     def __post_init__(self) -> None:
@@ -121,6 +121,7 @@ def add_model_options(parser: argparse.ArgumentParser, model_default: str | None
     parser.add_argument("--store", metavar="DIR",
                         help="learned store directory (default: the user cache)")
     parser.add_argument("--fresh", action="store_true",
-                        help="start from an empty learned store (it is still saved)")
+                        help="start from an empty learned store (it is still saved; the "
+                             "previous one is set aside as <store>.replaced-<time>)")
     parser.add_argument("--round-log", metavar="FILE",
                         help="append one JSON line per decoding round")

@@ -166,6 +166,10 @@ class Decode:
         """(tokens, depths, ancestor mask) of this step's row, for Transformer.verify_many."""
         return [self.token], *ONE_ROW
 
+    def rows(self) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """This step's rows as they stand (row()'s; a round's plan, cut or whole)."""
+        return [self.token], *ONE_ROW
+
     def take(self, argmax: Any, logits: Any = None, step: Any = None,
              taps: Any = None) -> None:
         """The verified row's output: commit it, pick the next token (argmax [1], numpy;
@@ -193,9 +197,11 @@ class Decode:
     def fail(self, err: BaseException) -> None:
         """End with an error; the slot may hold part of a step, so it forgets everything."""
         self.error = err
-        if self.slot is not None:
-            self.slot.reset()
-        self._stop()
+        try:
+            if self.slot is not None:
+                self.slot.reset()
+        finally:  # the request ends (its scheduler request too) even where the reset raised
+            self._stop()
 
     def _stop(self) -> bool:
         if self._decode_start:

@@ -44,6 +44,7 @@ from adaspark.sampling import Sampler
 from adaspark.scheduler.arm import MAX_WIDTH, Arm
 from adaspark.scheduler.budget import StepPrice, allocate
 from adaspark.scheduler.chooser import BandRate
+from adaspark.scheduler.merge import SharedState
 from adaspark.scheduler.plan import Outcome, Plan, RequestState
 from adaspark.scheduler.record import RoundRecord, RoundTimes
 from adaspark.scheduler.round import Scheduler
@@ -272,7 +273,7 @@ class Speculator:
         self.drafter = drafter
         self.scheduler = scheduler
         self.stop_ids = sorted(int(t) for t in stop_ids)
-        self.store = store
+        self.store = store  # with the state it last held (save() merges against it)
         self.round_log_path = Path(round_log) if round_log else None
         # opened now: a file that cannot be written fails the load, not every request
         self._log: IO[str] | None = \
@@ -288,6 +289,15 @@ class Speculator:
         # beside others: the decayed mean host ms a round (plan and learn), [undrafted, drafted]
         self.plan_ms: list[float | None] = [None, None]
         self._saved_at = time.monotonic()  # when the store was last saved (or made)
+
+    @property
+    def store(self) -> Store | None:
+        return None if self._shared is None else self._shared.store
+
+    @store.setter
+    def store(self, store: Store | None) -> None:
+        """The store now holds what the scheduler holds: save() merges from here on."""
+        self._shared = None if store is None else SharedState(self.scheduler, store)
 
     @property
     def arm(self) -> str:
@@ -433,22 +443,44 @@ class Speculator:
         """The cost model's refit, then the learned state and the round log reach the disk.
         beside: other requests still run in the batch; the refit (~10 ms of numpy) and the
         store's save (an fsync), which would stall their step, then wait for the last of them
-        to end, or SAVE_EVERY_S."""
+        to end, or SAVE_EVERY_S (close() saves what still waits). The reply stands whatever
+        fails here: a refit or a save that raises is logged, never the request's failure."""
         now = time.monotonic()
         wait = beside and now - self._saved_at < SAVE_EVERY_S
-        self.scheduler.end_request(request, refit=not wait)
+        try:
+            self.scheduler.end_request(request, refit=not wait)
+        except Exception:  # noqa: BLE001 - a bug in the refit: the reply is whole already
+            _log.exception("the learned laws' refit failed after a request")
         if self._log is not None:
             self._log.flush()
         if wait:
             return
         self._saved_at = now
-        if self.store is not None:
-            try:
-                self.store.save(self.scheduler.state_dict())
-            except UserError as err:  # the reply stands; the last good store stays on disk
-                _log.warning("learned state not saved after this request: %s", err)
+        self.save("after this request")
+
+    def save(self, when: str = "now") -> None:
+        """The learned state to the store, merged with what another process on the same store
+        saved meanwhile (scheduler/merge.py), under the store's lock; a failure is logged (the
+        last good store stays on disk)."""
+        if self._shared is None:
+            return
+        try:
+            self._shared.save()
+        except UserError as err:
+            _log.warning("learned state not saved %s: %s", when, err)
+        except Exception:  # noqa: BLE001 - a bug in the merge: the store stays as it was
+            self.store.save_failures += 1
+            _log.exception("learned state not saved %s", when)
 
     def close(self) -> None:
+        """The end of the engine: the refit and the save that waited for other requests (and
+        every request's rounds so far), then the round log is closed. Only on the engine's
+        thread, after its last step."""
+        try:
+            self.scheduler.refit()
+        except Exception:  # noqa: BLE001 - still save what was learned
+            _log.exception("the learned laws' last refit failed")
+        self.save("at shutdown")
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -7,6 +7,6 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
 # the native forward (C++ through torch's extension tooling); without a compiler the torch
-# path runs and the engine says so in one line
+# path runs and the engine says so in one line; with one, a failed build for this CPU fails here
 .venv/bin/python -m adaspark.model.native.build
 .venv/bin/adaspark fetch-model >/dev/null

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -83,12 +82,16 @@ def test_restore_loads_unless_fresh_and_refuses_another_version(tmp_path):
     restored = Scheduler("adaspark")
     assert restore(restored, store) is None
     assert as_json(restored.state_dict()) == as_json(learned.state_dict())
+    saved = store.path.read_text()
     fresh = Scheduler("adaspark")
     assert restore(fresh, store, fresh=True) is None
     assert as_json(fresh.state_dict()) == empty
+    # --fresh starts over without losing the store: it is set aside, not overwritten
+    (replaced,) = tmp_path.glob(f"{store.path.name}.replaced-*")
+    assert replaced.read_text() == saved and not store.path.exists()
 
     other = open_store(tmp_path, fingerprint("another model", "d", TARGET, "adaspark"))
-    other.path.write_text(store.path.read_text())  # a store copied under the wrong name
+    other.path.write_text(saved)  # a store copied under the wrong name
     assert "fingerprint" in restore(Scheduler("adaspark"), other)
     assert not other.path.exists()  # set aside, never used
 
@@ -190,9 +193,11 @@ HELLO = [{"role": "user", "content": "Name three colours."}]
 
 
 def block_saves(store):
-    """Make the store's saves fail as a full or read-only disk would, in the write itself: a
-    directory takes the name of the temporary file the save writes. Returns it (rmdir ends it)."""
-    blocker = store.directory / f".{store.path.name}.tmp-{os.getpid()}"
+    """Make the store's saves fail as a read-only disk would (the tests run as root, whom a
+    mode does not stop): a directory takes the name of the lock file every save opens for
+    writing. Returns it (rmdir ends it)."""
+    blocker = store.lock_path
+    blocker.unlink(missing_ok=True)  # the lock file of earlier saves (no save holds it now)
     blocker.mkdir(parents=True)
     return blocker
 

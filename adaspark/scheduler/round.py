@@ -106,6 +106,9 @@ class Scheduler:
         self.part_times: dict[str, float] | None = {} if time_parts else None
         # rounds by rows verified since this process started (not stored): the width share
         self.width_rounds: dict[int, int] = {}
+        # rounds learned from, over every process that saved into its store (stored; two
+        # writers' counts add: scheduler/merge.py)
+        self.rounds_learned = 0
         self._last_ranked: tuple | None = None  # (tree, (scored, ranking)): _ranked's last
         self._empty_tree: tuple | None = None  # (stop ids, tree): _undrafted_tree's
 
@@ -685,6 +688,7 @@ class Scheduler:
             self._lap("ngram extend", t)
         self.request.anchor = int(outcome.bonus)
         self.request.rounds += 1
+        self.rounds_learned += 1
         return record
 
     def learn_shared_verify(self, rows: int, context: float, verify_ms: float,
@@ -787,7 +791,7 @@ class Scheduler:
         return {"version": STATE_VERSION, "cost": self.cost.state_dict(),
                 "acceptance": self.acceptance.state_dict(),
                 "chooser": self.chooser.state_dict(), "plain": self.plain_law.state_dict(),
-                "gate": self.gate.state_dict()}
+                "gate": self.gate.state_dict(), "rounds": self.rounds_learned}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore from state_dict(); an empty mapping (an empty store) changes nothing."""
@@ -803,5 +807,9 @@ class Scheduler:
             self.plain_law.load_state_dict(state["plain"])
             if "gate" in state:  # stores saved before the gate existed have none
                 self.gate.load_state_dict(state["gate"])
+            rounds = int(state.get("rounds", 0))  # stores saved before the count have none
         except KeyError as err:
             raise UserError(f"scheduler state is missing {err}") from None
+        except (TypeError, ValueError) as err:
+            raise UserError(f"scheduler state has a malformed round count: {err}") from None
+        self.rounds_learned = rounds

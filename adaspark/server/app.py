@@ -62,10 +62,11 @@ from adaspark.server.schemas import (
 )
 from adaspark.server.toolcalls import may_be_tool_call, parse_tool_calls
 from adaspark.server.watch import Watch, watch_routes
-from adaspark.server.worker import Cancelled, EngineWorker, Job, Place, QueueFull
+from adaspark.server.worker import Cancelled, EngineStopped, EngineWorker, Job, Place, QueueFull
 
 MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context; guards memory only
 LOAD_FAILED = "the model failed to load; the server's log says why"
+ENGINE_STOPPED = "the engine stopped after an internal error; restart the server"
 LOGPROB_FLOOR = -9999.0  # the least logprob reported (vLLM's floor, which it reports for -inf)
 RETRY_AFTER_S = 1  # what a refused client is told to wait: about a few replies' decode time
 NO_TEMPLATE = ("this model has no chat template (no tokenizer.chat_template in its GGUF), so it "
@@ -123,7 +124,8 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
         app.state.worker = EngineWorker(watch.loader(load_engine), parallel, queue_limit)
         watch.watch(app.state.worker)
         yield
-        app.state.worker.close()
+        # SIGTERM: the engine ends its requests and saves what it learned before the exit
+        await asyncio.to_thread(app.state.worker.close)
 
     app = FastAPI(title="adaspark", lifespan=lifespan)
     app.state.watch = watch
@@ -140,6 +142,8 @@ def create_app(load_engine: Callable[[], Any], model_id: str, api_key: str | Non
 
     def ready_engine() -> Any:
         worker = app.state.worker
+        if worker.fault is not None:  # the engine thread stopped (the cause is in the log)
+            raise Unavailable(503, ENGINE_STOPPED)
         if worker.load_error is not None:  # the reason is in the server's log, not for anyone
             raise Unavailable(500, LOAD_FAILED)  # who can reach the port (/health is open)
         if not worker.ready:
@@ -467,6 +471,8 @@ async def _complete(request: Request, place: Place, jobs: list[Job], reply: Repl
         return error_response(400, str(err))
     except Cancelled:
         return error_response(400, "request cancelled")  # nobody is listening any more
+    except EngineStopped:  # the cause is in the log, not for the client
+        return error_response(503, ENGINE_STOPPED)
     finally:
         watcher.cancel()
     return JSONResponse({
@@ -549,6 +555,9 @@ async def _sse_choice(place: Place, job: Job, reply: Reply, index: int, last: bo
         result = future.result()
     except (UserError, Cancelled) as err:
         yield _event(error_body(400, str(err) or "request cancelled"))
+        return
+    except EngineStopped:
+        yield _event(error_body(503, ENGINE_STOPPED))
         return
     calls = parse_tool_calls(held) if held else None
     if calls:

@@ -17,6 +17,14 @@ holds it while its n choices run one after another, so a later choice never find
 full and a stream never learns of a full queue after its status. A place whose client left
 (its cancel flag) no longer counts, nor does its queued job (the waiting gauge): live clients
 are not refused for requests nobody waits for, which the engine thread drops between steps.
+
+Shutdown (close(), the server's lifespan exit on SIGTERM): no new job is taken, the queued ones
+are dropped, the running ones are cancelled and end at their next step; then the engine thread
+saves the learned state one last time (Speculator.close: the saves that waited for other
+requests, and the rounds of the requests cut short) and ends; close() waits for it, at most
+SHUTDOWN_S. A bug that escapes even the step's catch-all stops the engine thread: `fault` says
+so (the server's /health answers 503), every admitted and queued request gets EngineStopped,
+and so does every later one.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ log = logging.getLogger("adaspark.server")
 PREFILL_PER_STEP = 512
 MAX_PARALLEL = 8  # past this a CPU step is compute-bound: more rows only slow every request
 RAM_SHARE = 0.25  # of the memory available at load, at most this much goes to KV slots
+# close() waits this long for the engine thread: its current step (every running request is
+# cancelled at its next one) and the last save; a longer wait is logged and the exit goes on
+SHUTDOWN_S = 60.0
 
 
 class Cancelled(Exception):
@@ -69,6 +80,10 @@ class Place:
 
     def __exit__(self, *_: object) -> None:
         self.release()
+
+
+class EngineStopped(Exception):
+    """The engine thread stopped after an internal error (logged); the server must restart."""
 
 
 @dataclass
@@ -136,6 +151,7 @@ class EngineWorker:
         self._places: set[Place] = set()  # taken and not given back
         self._wake = threading.Condition()
         self._closed = False
+        self.fault: str | None = None  # why the engine thread stopped serving (a bug), if it did
         # called on the engine thread after each job: (job, result), or (job, None) when the
         # job raised or was cancelled before it started (the server's metrics)
         self.observers: list[Callable[[Job, Any], None]] = []
@@ -184,6 +200,9 @@ class EngineWorker:
         when there is none)."""
         future: Future = Future()
         with self._wake:
+            if self.fault is not None:
+                future.set_exception(EngineStopped(self.fault))
+                return future
             if self._closed:
                 future.set_exception(Cancelled())
                 return future
@@ -211,9 +230,39 @@ class EngineWorker:
             self.queue_limit = 8 * self.parallel
         engine.batch.max_slots = self.parallel
         self.engine = engine
-        while self._serve_once():
-            pass
+        try:
+            while self._serve_once():
+                pass
+        except Exception:  # the step's own recovery failed: stop, and say so to everyone
+            log.exception("the engine thread stopped after an internal error")
+            self._stop_serving("the engine stopped after an internal error; restart the server")
+        finally:
+            self._last_save(engine)
         self._drop_queue()
+
+    def _stop_serving(self, why: str) -> None:
+        """No request will run again: /health reports it, every admitted request and every
+        queued or later one gets EngineStopped (none waits for an engine that is gone)."""
+        error = EngineStopped(why)
+        with self._wake:
+            self.fault, self._closed = why, True
+        for _, job, future in list(self._running.values()):
+            self._settle(job, future, None, error)
+        self._running.clear()
+        while (item := self._next_job()) is not None:
+            item[1].set_exception(error)
+
+    @staticmethod
+    def _last_save(engine: Any) -> None:
+        """The learned state's last save, on this thread (the engine's only one), after the
+        last step: what waited for other requests and the rounds of requests cut short."""
+        speculator = getattr(engine, "speculator", None)
+        if speculator is None:
+            return
+        try:
+            speculator.close()
+        except Exception:  # noqa: BLE001 - the exit goes on; the last good store stays
+            log.exception("the learned state's last save failed")
 
     def _serve_once(self) -> bool:
         """Admit what may start, then one step; False once closed and nothing runs."""
@@ -228,15 +277,17 @@ class EngineWorker:
             self._drop_unwanted()
             if not closed:
                 self._admit(batch)
-            for seq in batch.step():  # after close(): the cancelled requests end here
-                self._finish(seq)
+            finished = batch.step()  # after close(): the cancelled requests end here
         except Exception as err:  # a bug outside any one request: end every admitted one
             log.exception("engine step failed")
             for seq, _, _ in list(self._running.values()):
                 if not seq.finished:
-                    seq.fail(err)
+                    batch.drop(seq, err)
                 self._finish(seq)  # a reply that had finished is still delivered
             batch.running = []
+            return True
+        for seq in finished:
+            self._finish(seq)
         return True
 
     def _next_job(self) -> tuple[Job, Future] | None:
@@ -286,8 +337,14 @@ class EngineWorker:
         _, job, future = self._running.pop(id(seq))
         if seq.error is not None:
             self._settle(job, future, None, seq.error)
-        else:
-            self._settle(job, future, self.engine.result(seq))
+            return
+        try:
+            result = self.engine.result(seq)
+        except Exception as err:  # noqa: BLE001 - this request's result only
+            log.exception("a finished request's result failed")
+            self._settle(job, future, None, err)
+            return
+        self._settle(job, future, result)
 
     def _settle(self, job: Job, future: Future, result: Any,
                 error: BaseException | None = None) -> None:
@@ -295,7 +352,10 @@ class EngineWorker:
         if result is not None:
             self.last_result = result
         for observe in self.observers:
-            observe(job, result)
+            try:
+                observe(job, result)
+            except Exception:  # noqa: BLE001 - a metric's bug must not stop the engine
+                log.exception("a request observer failed")
         if future.cancelled():  # given up while it waited: nobody to tell
             return
         if error is not None:
@@ -307,11 +367,21 @@ class EngineWorker:
         while (item := self._next_job()) is not None:
             item[1].set_exception(Cancelled())
 
-    def close(self) -> None:
-        """Stop the running requests at their next step and drop the queued ones."""
+    def close(self, timeout: float | None = SHUTDOWN_S) -> bool:
+        """Take no more work, stop the running requests at their next step, drop the queued
+        ones; then wait up to `timeout` for the engine thread's last save and end. True when
+        it ended (False: still loading, or a step longer than the wait; logged)."""
         with self._wake:
             self._closed = True
             # a copy first: the engine thread may change it meanwhile
             for _, job, _ in list(self._running.values()):
                 job.cancel.set()
             self._wake.notify()
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not end within %.0f s of shutdown; exiting "
+                        "without its last save", timeout)
+            return False
+        return True

@@ -9,6 +9,12 @@ arithmetic must stay one fixed sequence for the width-invariance promise.
 Every set is built on every CPU, but only the builds this CPU runs are imported (an AVX-512
 module's import dies of SIGILL on a CPU without AVX-512), and each build runs in a process of
 its own, so a build that dies fails alone.
+
+The exit status is what setup and CI go by (`verdict`): non-zero when a build this CPU runs
+failed (the native tests would otherwise skip and pass), or when a compiler is present but
+ninja is not; zero when every build this CPU runs was built, whatever became of the builds for
+other CPUs. Without a C++ compiler ($CXX, else c++) nothing is built and the torch path runs:
+it says so and exits 0, as it does under ADASPARK_NATIVE=off (the torch path chosen).
 """
 
 from __future__ import annotations
@@ -117,23 +123,43 @@ def _summary(codes: dict[str, int], runnable: list[str]) -> str:
     return line
 
 
+def verdict(codes: dict[str, int], runnable: list[str]) -> int:
+    """The exit status of the builds `codes` (each set's exit code, 0: built): 1 when a set
+    this CPU runs failed to build (setup and CI must fail: the engine would fall back to
+    the torch path and the native tests skip), else 0."""
+    return 1 if any(code != 0 for isa, code in codes.items() if isa in runnable) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", action="append", choices=sorted(ISA_FLAGS),
                         help="build only these (default: all)")
     args = parser.parse_args(argv)
+    if os.environ.get("ADASPARK_NATIVE") == "off":
+        print("adaspark: native forward not built (ADASPARK_NATIVE=off); the torch path runs")
+        return 0
     # ninja from the venv's bin, where pip puts it
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    missing = next((tool for tool in ("c++", "ninja") if not shutil.which(tool)), None)
-    if missing:
-        print(f"adaspark: native forward not built ({missing} not found); the torch path runs")
+    compiler = os.environ.get("CXX") or "c++"  # the one torch's extension tooling runs
+    if not shutil.which(compiler):
+        print(f"adaspark: native forward not built: no C++ compiler ({compiler} not found); "
+              f"the torch path runs (slower). Install one (e.g. g++) and run this again.")
         return 0
+    if not shutil.which("ninja"):
+        print("adaspark: native forward not built: a C++ compiler is here but ninja is not "
+              "(pip install ninja)")
+        return 1
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.gettempdir())
     isas = args.isa or sorted(ISA_FLAGS)
     runnable = runnable_isas()
     codes = build_all(isas, runnable, min(len(isas), os.cpu_count() or 1))
     print(_summary(codes, runnable))
-    return 1 if not any(code == 0 for code in codes.values()) else 0
+    status = verdict(codes, runnable)
+    if status:
+        failed = [isa for isa in runnable if codes.get(isa, 0) != 0]
+        print(f"adaspark: the native build failed for {', '.join(failed)}, which this CPU "
+              f"runs: setup fails (see the errors above)")
+    return status
 
 
 if __name__ == "__main__":

@@ -35,6 +35,14 @@ def pick(state: GrammarState, sampler: Sampler | None, logits_row: torch.Tensor,
     row's argmax, or its sample; path: the tokens before it not yet in the reply (a tree row's
     ancestors), which the penalties count. Returns (token, the row for Sampler.record: the
     adjusted target distribution before the mask, as logprobs report it; None when greedy)."""
+    if sampler is None:
+        top = int(logits_row.argmax())
+        if top not in state.stop_ids and state.legal(top):
+            # the row's first maximum is legal, so it is also the masked row's first maximum:
+            # one token's check instead of the vocabulary's mask (greedy replies in a grammar
+            # mostly follow it; a stop token's legality is the mask's to say)
+            state.advance(top)
+            return top, None
     x = masked(logits_row, state.allowed())
     if sampler is None:
         token, adjusted = int(x.argmax()), None

@@ -122,6 +122,41 @@ def test_tree_legality_follows_each_path(make, tokenizer):
     assert not state.complete and not state.legal(stop)
 
 
+def test_a_greedy_pick_equals_the_masked_argmax_whether_or_not_the_row_top_is_legal(
+        make, tokenizer):
+    """constrained.pick checks only the row's top token where it is legal: at every state of
+    each case's reply, with the target's top made a legal token, an illegal one, a stop token
+    and a tie below an illegal one, its pick is the fully masked row's first maximum."""
+    import torch
+
+    from adaspark import constrained
+
+    engine = make("ar")
+    rng = np.random.default_rng(0)
+    seen = {"legal": 0, "illegal": 0}
+    for messages, response_format, _ in CASES:
+        grammar = engine.grammar(response_format)
+        reply = engine.generate(messages, max_tokens=MAX_TOKENS, response_format=grammar)
+        state = grammar.start()
+        for token in reply.token_ids:
+            allowed = state.allowed()
+            legal, illegal = np.flatnonzero(allowed), np.flatnonzero(~allowed)
+            base = torch.from_numpy(rng.standard_normal(allowed.size).astype(np.float32))
+            tops = [int(rng.choice(legal)), int(rng.choice(illegal)), min(tokenizer.stop_ids)]
+            for top in tops:
+                row = base.clone()
+                row[top] = 50.0
+                if not allowed[top]:  # a legal token tied below it: the first legal maximum
+                    row[int(legal[-1])] = row[int(legal[0])] = 10.0
+                want = int(torch.where(torch.from_numpy(allowed), row, -torch.inf).argmax())
+                got, _ = constrained.pick(state, None, row, 0)
+                state.rollback(0 if got in state.stop_ids else 1)
+                assert got == want, (top, got, want)
+                seen["legal" if allowed[top] else "illegal"] += 1
+            state.advance(token)
+    assert seen["legal"] > 20 and seen["illegal"] > 20
+
+
 def test_forced_tokens_are_certain_and_extend_the_tree(make, tokenizer):
     grammar = make("ar").grammar(CASES[0][1])
     ids = tokenizer.encode('{"name": "Alice", "age": 30')

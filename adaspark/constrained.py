@@ -58,20 +58,9 @@ def pick(state: GrammarState, sampler: Sampler | None, logits_row: torch.Tensor,
 
 def path_picks(state: GrammarState, sampler: Sampler | None, logits: torch.Tensor, plan: Any,
                start: int) -> tuple[np.ndarray, dict[int, Any]]:
-    """Each row's pick along the path the accept walk takes (speculative.sample_path's walk,
-    under the grammar): a row at depth d picks position start + d + 1 under the state after its
-    ancestors' tokens. Returns the picks [rows] (-1 off the path) and the rows for
-    Sampler.record by row; `state` ends after the last pick."""
-    child = {(int(parent), int(token)): row for row, (parent, token)
-             in enumerate(zip(plan.parents, plan.tokens, strict=True)) if row}
-    picks = np.full(plan.rows, -1, dtype=np.int64)
-    adjusted: dict[int, Any] = {}
-    path: list[int] = []
-    row: int | None = 0
-    while row is not None:
-        token, adjusted[row] = pick(state, sampler, logits[row],
-                                    start + int(plan.depths[row]) + 1, path)
-        picks[row] = token
-        path.append(token)
-        row = child.get((row, token))
-    return picks, adjusted
+    """Each row's pick along the path the accept walk takes (Plan.walk, as
+    speculative.sample_path, under the grammar): a row at depth d picks position start + d + 1
+    under the state after its ancestors' tokens. Returns the picks [rows] (-1 off the path)
+    and the rows for Sampler.record by row; `state` ends after the last pick."""
+    return plan.walk(lambda row, path: pick(state, sampler, logits[row],
+                                            start + int(plan.depths[row]) + 1, path))

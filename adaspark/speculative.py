@@ -78,23 +78,16 @@ RoundHook = Callable[[RoundTrace], None]
 
 
 def sample_path(sampler: Sampler, logits: Any, plan: Plan, start: int):
-    """Each row's pick along the path the accept walk takes, as plain decoding would make it:
-    a row at depth d samples position start + d + 1 with its ancestors' tokens (the path so
-    far) in the reply. The walk reads no other row, so those stay -1 and cost nothing.
-    Returns the picks [rows] and the adjusted logits of each sampled row (for logprobs)."""
-    child = {(int(parent), int(token)): row for row, (parent, token)
-             in enumerate(zip(plan.parents, plan.tokens, strict=True)) if row}
-    picks = np.full(plan.rows, -1, dtype=np.int64)
-    adjusted: dict[int, Any] = {}
-    path: list[int] = []
-    row: int | None = 0
-    while row is not None:
-        pick, x = sampler.sample(logits[row:row + 1], [start + int(plan.depths[row]) + 1],
-                                 [path] if sampler.params.penalised else None)
-        picks[row], adjusted[row] = int(pick[0]), x[0]
-        path = [*path, int(pick[0])]
-        row = child.get((row, int(pick[0])))
-    return picks, adjusted
+    """Each row's pick along the path the accept walk takes (Plan.walk), as plain decoding
+    would make it: a row at depth d samples position start + d + 1 with its ancestors' tokens
+    (the path so far) in the reply. Returns the picks [rows] and the adjusted logits of each
+    sampled row (for logprobs)."""
+    def pick(row: int, path: list[int]) -> tuple[int, Any]:
+        token, x = sampler.sample(logits[row:row + 1], [start + int(plan.depths[row]) + 1],
+                                  [path] if sampler.params.penalised else None)
+        return int(token[0]), x[0]
+
+    return plan.walk(pick)
 
 
 def take_path(reply: Any, sampler: Sampler | None, adjusted: dict[int, Any], outcome: Outcome

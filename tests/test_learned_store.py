@@ -31,11 +31,10 @@ def as_json(state: dict) -> str:
     return json.dumps(state, sort_keys=True, default=lambda v: v.tolist())
 
 
-def learned_scheduler(seed: int = 0, rounds: int = 60, arm: str = "adaspark") -> Scheduler:
-    """A scheduler after real rounds on handmade blocks: a target that follows the drafter's
+def learn_rounds(sched: Scheduler, seed: int, rounds: int) -> None:
+    """One request of real rounds on handmade blocks: a target that follows the drafter's
     picks for a random number of steps, with verify times that grow with the rows."""
     rng = np.random.default_rng(seed)
-    sched = Scheduler(arm)
     sched.begin_request(list(range(10, 60)))
     for _ in range(rounds):
         B, K = 7, 4
@@ -53,6 +52,12 @@ def learned_scheduler(seed: int = 0, rounds: int = 60, arm: str = "adaspark") ->
         outcome = sched.accept(plan, argmax)
         sched.learn(outcome, RoundTimes(0.002, 0.01 + 0.001 * plan.rows * rng.random(), 0.0005))
     sched.end_request()
+
+
+def learned_scheduler(seed: int = 0, rounds: int = 60, arm: str = "adaspark") -> Scheduler:
+    """A scheduler after one request of learn_rounds."""
+    sched = Scheduler(arm)
+    learn_rounds(sched, seed, rounds)
     return sched
 
 

@@ -15,39 +15,15 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from test_learned_store import learn_rounds
 
 from adaspark.scheduler.chooser import RATE_DECAY, BandRate
 from adaspark.scheduler.merge import SharedState, merge_states
-from adaspark.scheduler.record import RoundTimes
 from adaspark.scheduler.round import Scheduler
 from adaspark.scheduler.store import KEEP_SET_ASIDE, Store, plain_json
-from adaspark.scheduler.tree import Block
 
 FINGERPRINT = {"model": "m", "drafter": "d", "device": "cpu", "arm": "adaspark"}
 TESTS = Path(__file__).resolve().parent
-
-
-def learn_rounds(sched: Scheduler, seed: int, rounds: int) -> None:
-    """One request of real rounds on handmade blocks (as test_learned_store's): a target that
-    follows the drafter's picks for a random number of steps, verify times that grow with rows."""
-    rng = np.random.default_rng(seed)
-    sched.begin_request(list(range(10, 60)))
-    for _ in range(rounds):
-        B, K = 7, 4
-        picks = rng.integers(100, 200, B)
-        ids = np.column_stack([picks] + [rng.integers(300, 400, B) + 100 * k for k in range(1, K)])
-        block = Block(picks, ids, np.tile(np.linspace(3.0, 0.0, K), (B, 1)), rng.random(B))
-        plan = sched.plan_round(60, lambda b=block: b, stop_ids=[2])
-        run = int(rng.integers(0, B))
-        argmax = np.full(plan.rows, 7, dtype=np.int64)
-        for r in range(plan.rows):
-            d = int(plan.depths[r])
-            if d < run and all(plan.tokens[a] == ([plan.tokens[0]] + picks.tolist())[
-                    int(plan.depths[a])] for a in np.flatnonzero(plan.mask[r])):
-                argmax[r] = picks[d]
-        outcome = sched.accept(plan, argmax)
-        sched.learn(outcome, RoundTimes(0.002, 0.01 + 0.001 * plan.rows * rng.random(), 0.0005))
-    sched.end_request()
 
 
 def loaded(store: Store) -> Scheduler:

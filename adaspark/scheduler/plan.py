@@ -43,6 +43,25 @@ class Plan:
     def rows(self) -> int:
         return int(self.tokens.size)
 
+    def walk(self, pick: Callable[[int, list[int]], tuple[int, Any]]
+             ) -> tuple[np.ndarray, dict[int, Any]]:
+        """The picks along the path the accept walk takes, as plain decoding makes them:
+        pick(row, path) gives row's token (path: its ancestors' picks) and what the caller
+        keeps for that row; the walk goes on to the child holding that token. The walk reads
+        no other row, so those stay -1 and cost nothing. (picks [rows], kept by row)"""
+        child = {(int(parent), int(token)): row for row, (parent, token)
+                 in enumerate(zip(self.parents, self.tokens, strict=True)) if row}
+        picks = np.full(self.rows, -1, dtype=np.int64)
+        kept: dict[int, Any] = {}
+        path: list[int] = []
+        row: int | None = 0
+        while row is not None:
+            token, kept[row] = pick(row, path)
+            picks[row] = token
+            path = [*path, token]
+            row = child.get((row, token))
+        return picks, kept
+
 
 @dataclass
 class Outcome:

@@ -12,7 +12,8 @@ $PY benchmarks/stop_list_neighbour.py --tokens 64 --rounds 5 --json $O/stop_list
   > $O/stop_list_neighbour.txt 2>&1
 PYTHONPATH=.:tests $PY - > $O/store_save_ms.txt 2>&1 <<'PYEOF'
 import tempfile, time
-from test_store_writers import FINGERPRINT, Scheduler, SharedState, Store, learn_rounds
+from test_learned_store import learn_rounds
+from test_store_writers import FINGERPRINT, Scheduler, SharedState, Store
 s = Scheduler("adaspark"); learn_rounds(s, 0, 200)
 sh = SharedState(s, Store(tempfile.mkdtemp(), FINGERPRINT)); sh.save()
 times = []

@@ -30,6 +30,28 @@ can give the last prompt of such a wave its first token before the others' prefi
 cancelled after three deltas, some malformed) and reports 5xx answers (there should be none),
 completed replies equal to the same request sent alone, and the server's peak RSS.
 
+--arrivals poisson --concurrency N sends the requests open-loop instead. Per arm, one client runs
+them back to back (the solo pass, the N = 1 row), then the same requests arrive at the times of
+a Poisson process (benchmarks/arrivals.py) whose rate keeps about N in flight: N over the solo
+pass's mean request time (its wall over its requests), taken from the first arm's solo pass (or
+--rate) and kept for every later arm, so that with the same --seed every arm gets the same
+arrival times. A request is sent at its time whether or not earlier replies have come. Each pass
+runs on a fresh server of the arm (empty store and caches) whose slots are warmed on prompts
+neither pass sends, so no prompt cache (llama-server's RAM cache included) prefills a measured
+prompt for free. The Poisson row (N shown as ~N): the same figures, wall from the first arrival
+to the last reply, plus the rate, the mean number in flight that was measured (Little's law:
+every request's time over the wall) and how late the latest dispatch was. After the table, per
+arm: its aggregate, per-request decode speed and first token (median, p95) over its solo pass's,
+and its aggregate over llama-server's under the same arrivals (when `llama-server` is an arm).
+The server's --parallel defaults to N, so a burst past N waits for a slot, as in service.
+
+    .venv/bin/python benchmarks/concurrency.py --arms ar,adaspark+gate,llama-server \\
+        --arrivals poisson --concurrency 4 --prompts mixed --requests 45 --cap 128
+
+--prompts mixed takes the first turns (after --short, if given) in an order shuffled by --seed
+instead of file order, so that every stretch of the run, and every --requests prefix, mixes the
+sources' prompt lengths (the file groups them: LongBench's long documents come last).
+
 The arm `llama-server` runs llama.cpp's own server (built once by benchmarks/llama_server.py
 from the sources vs_llamacpp.py builds: `--parallel P`, continuous batching, the same GGUF and
 threads) through the same clients, so the two engines are measured side by side in one run.
@@ -41,6 +63,7 @@ import argparse
 import json
 import os
 import queue
+import random
 import statistics
 import sys
 import tempfile
@@ -56,6 +79,7 @@ from adaspark.bench.runner import machine_description
 from adaspark.bench.servers import LocalServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arrivals import mean_in_flight, poisson_arrivals, run_arrivals  # noqa: E402
 from llama_server import LlamaServer, ensure_built  # noqa: E402
 
 CONVERSATIONS = Path(__file__).resolve().parents[2] / "shared/data/eval/conversations.jsonl"
@@ -67,22 +91,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arms", default="ar,adaspark+gate",
                    help="comma-separated arms, modifiers with '+' (adaspark+gate); "
                         "`llama-server`: llama.cpp's own server (benchmarks/llama_server.py)")
-    p.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrent clients")
+    p.add_argument("--clients", default=None,
+                   help="comma-separated concurrent clients (default 1,2,4,8; closed loop)")
+    p.add_argument("--arrivals", choices=("clients", "poisson"), default="clients",
+                   help="clients: closed loop, each client asks again when its reply ends; "
+                        "poisson: one client, then open-loop Poisson arrivals (--concurrency)")
+    p.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="with --arrivals poisson: the mean number of requests in flight the "
+                        "rate is set for (N over the first arm's mean request time alone)")
+    p.add_argument("--rate", type=float, default=None, metavar="PER_S",
+                   help="with --arrivals poisson: this arrival rate instead of the derived one")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed of the arrival times and of --prompts mixed's order")
+    p.add_argument("--prompts", choices=("file-order", "mixed"), default="file-order",
+                   help="file-order: the first turns in file order; mixed: shuffled by --seed, "
+                        "so every stretch of the run mixes short prompts and long documents")
     p.add_argument("--requests", type=int, default=16,
-                   help="requests per N (first turns, in file order; at least N)")
+                   help="requests per N (first turns, in --prompts order; at least N); with "
+                        "--arrivals poisson, the requests of the solo pass and the arrivals")
     p.add_argument("--cap", type=int, default=128, help="reply cap (max_tokens)")
     p.add_argument("--short", type=int, default=0, metavar="CHARS",
                    help="only first turns of at most CHARS characters (messages and tools): "
                         "short prompts, where the steps are decode rather than prefill")
     p.add_argument("--parallel", type=int, default=None,
-                   help="the server's --parallel (default: the largest N)")
+                   help="the server's --parallel (default: the largest N; with --arrivals "
+                        "poisson, --concurrency)")
     p.add_argument("--threads", type=int, default=2, help="the server's OMP_NUM_THREADS")
     p.add_argument("--data", type=Path, default=CONVERSATIONS, help="conversations JSONL")
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded one)")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     p.add_argument("--mixed", type=int, default=0, metavar="M",
                    help="then M mixed requests (streamed, not, cancelled, malformed)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.arrivals == "poisson":
+        if args.concurrency is None or args.concurrency < 1:
+            p.error("--arrivals poisson needs --concurrency N, N at least 1")
+        if args.clients is not None:
+            p.error("--clients is for --arrivals clients; poisson runs one client, then the "
+                    "arrivals at --concurrency")
+        if args.rate is not None and not args.rate > 0:
+            p.error("--rate must be positive")
+        if args.requests < 2:
+            p.error("--arrivals poisson needs --requests of at least 2")
+    else:
+        if args.concurrency is not None or args.rate is not None:
+            p.error("--concurrency and --rate are for --arrivals poisson")
+        args.clients = args.clients or "1,2,4,8"
+    return args
 
 
 def first_turn(conv: Conversation) -> tuple[list[dict], list[dict] | None]:
@@ -95,6 +150,13 @@ def first_turns(conversations: list[Conversation], short: int = 0) -> list:
     `short` characters."""
     requests = [first_turn(c) for c in conversations]
     return [r for r in requests if prompt_chars(r) <= short] if short else requests
+
+
+def mixed_order(requests: list, seed: int) -> list:
+    """The requests in an order shuffled by `seed` (the same seed, the same order)."""
+    shuffled = list(requests)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled
 
 
 def prompt_chars(request: tuple[list[dict], list[dict] | None]) -> int:
@@ -165,7 +227,8 @@ def run_clients(url: str, requests: list[tuple[list[dict], list[dict] | None]], 
 
 
 def summarise(n: int, replies: list[StreamedReply | None], wall_s: float,
-              solo: list[StreamedReply | None] | None) -> dict:
+              solo: list[StreamedReply | None] | None, predict_waves: bool = True) -> dict:
+    """predict_waves: the tail of synchronised waves of n prompts (closed-loop clients)."""
     done = [r for r in replies if r is not None]
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     speeds = [r.tok_s for r in done if r.tok_s is not None]
@@ -174,7 +237,8 @@ def summarise(n: int, replies: list[StreamedReply | None], wall_s: float,
     if solo is not None:
         same = sum(1 for a, b in zip(replies, solo, strict=True)
                    if a is not None and b is not None and a.text == b.text)
-        waves = percentile(wave_ttft([None if r is None else r.ttft_s for r in solo], n), 0.95)
+        waves = (percentile(wave_ttft([None if r is None else r.ttft_s for r in solo], n), 0.95)
+                 if predict_waves else None)
     return {"clients": n, "requests": len(replies), "failed": len(replies) - len(done),
             "tokens": tokens, "wall_s": wall_s, "aggregate_tok_s": tokens / wall_s,
             "decode_tok_s_median": statistics.median(speeds) if speeds else None,
@@ -219,6 +283,126 @@ def bench_arm(arm: str, clients: list[int], requests, args, out_dir: Path) -> li
         if args.mixed:
             rows.append(mixed_check(server, arm, requests, args.mixed, max(clients), args.cap))
     return rows
+
+
+def summarise_arrivals(concurrency: int, replies: list[StreamedReply | None],
+                       spans: list[tuple[float, float]], wall_s: float,
+                       solo: list[StreamedReply | None] | None, offsets: list[float],
+                       rate_per_s: float, seed: int) -> dict:
+    """The Poisson pass's row: summarise's figures (failed requests left out of them; no wave
+    prediction: these arrivals come one at a time), the arrivals, the mean number in flight
+    measured, and the latest dispatch's lateness (how open the loop really was)."""
+    row = summarise(concurrency, replies, wall_s, solo, predict_waves=False)
+    return {**row, "arrivals": "poisson",
+            "rate_per_s": rate_per_s, "seed": seed, "arrival_span_s": offsets[-1],
+            "in_flight_mean": mean_in_flight(spans, wall_s),
+            "late_max_s": max(sent - due for (sent, _), due in zip(spans, offsets, strict=True))}
+
+
+def run_poisson(url: str, requests: list, offsets: list[float],
+                cap: int) -> tuple[list[StreamedReply | None], list[tuple[float, float]], float]:
+    """The requests at their arrival times, each on a client of its own."""
+    chats = [ChatClient(url) for _ in requests]
+    try:
+        for chat in chats:  # the model id asked before the clock starts, not at each arrival
+            chat.model()
+
+        def send(i: int) -> StreamedReply:
+            messages, tools = requests[i]
+            return chats[i].stream_chat(messages, max_tokens=cap, tools=tools)
+
+        return run_arrivals(offsets, send)
+    finally:
+        for chat in chats:
+            chat.close()
+
+
+def warm_up_requests(requests: list, n: int) -> list:
+    """The first n requests with a line before their first message: prompts of the same
+    lengths that no pass sends, so that warming the slots leaves no cache holding a measured
+    prompt (a prefix cache would then prefill it for free)."""
+    return [([{**messages[0], "content": "(warm-up)\n" + messages[0]["content"]}, *messages[1:]],
+             tools) for messages, tools in requests[:n]]
+
+
+def bench_arm_arrivals(arm: str, requests, args, out_dir: Path,
+                       rate_per_s: float | None) -> tuple[list[dict], float]:
+    """One client over the requests (the solo row), then the same requests at Poisson times,
+    each pass on a fresh server of the arm (empty store, empty caches) whose slots are warmed
+    on prompts the passes do not send: llama-server's RAM prompt cache would otherwise give the
+    second pass every prompt the first sent, long documents included, and our slots the last
+    few. Without a rate, it is set from the solo pass: --concurrency over its mean request
+    time. Returns the rows and the rate used."""
+    parallel = args.parallel or args.concurrency
+    work = requests[:args.requests]
+    warm = warm_up_requests(requests, parallel)
+    with make_server(arm, parallel, args, out_dir) as server:
+        print(f"{arm}: the server's forward is {server.forward}, --parallel {parallel}", flush=True)
+        run_clients(server.url, warm, parallel, min(args.cap, 16))
+        solo, solo_wall = run_clients(server.url, work, 1, args.cap)
+        solo_row = {"arm": arm, "parallel": parallel, "forward": server.forward,
+                    **summarise(1, solo, solo_wall, None),
+                    "request_mean_s": solo_wall / len(work)}
+    print(table_row(solo_row), flush=True)
+    if rate_per_s is None:
+        if solo_row["failed"] == len(work):
+            raise SystemExit(f"{arm}: every request of the solo pass failed, so no arrival "
+                             f"rate follows from it (see {arm}'s server log)")
+        rate_per_s = args.concurrency / solo_row["request_mean_s"]
+        print(f"arrivals: {rate_per_s:.3f} a second, seed {args.seed} ({args.concurrency} over "
+              f"{arm}'s mean request time alone, {solo_row['request_mean_s']:.2f} s; the same "
+              f"for every arm)", flush=True)
+    offsets = poisson_arrivals(len(work), rate_per_s, args.seed)
+    with make_server(arm, parallel, args, out_dir) as server:
+        run_clients(server.url, warm, parallel, min(args.cap, 16))
+        replies, spans, wall = run_poisson(server.url, work, offsets, args.cap)
+        row = {"arm": arm, "parallel": parallel, "forward": server.forward,
+               **summarise_arrivals(args.concurrency, replies, spans, wall, solo, offsets,
+                                    rate_per_s, args.seed)}
+        print(table_row(row), flush=True)
+        rows = [solo_row, row]
+        if args.mixed:
+            rows.append(mixed_check(server, arm, requests, args.mixed, args.concurrency,
+                                    args.cap))
+    return rows, rate_per_s
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare_arrivals(rows: list[dict]) -> list[dict]:
+    """Per arm with a Poisson row: its aggregate, median per-request decode speed and first
+    token (median, p95) over its solo pass's, and its aggregate over llama-server's Poisson
+    row (the same arrival times) when llama-server ran."""
+    solo = {r["arm"]: r for r in rows
+            if r.get("clients") == 1 and "aggregate_tok_s" in r and "arrivals" not in r}
+    poisson = {r["arm"]: r for r in rows if r.get("arrivals") == "poisson"}
+    reference = poisson.get(LLAMA_SERVER)
+    out = []
+    for arm, row in poisson.items():
+        one = solo.get(arm, {})
+        out.append({
+            "arm": arm, "concurrency": row["clients"], "in_flight_mean": row["in_flight_mean"],
+            **{f"{key}_over_solo": ratio(row[key], one.get(key))
+               for key in ("aggregate_tok_s", "decode_tok_s_median", "ttft_median_s",
+                           "ttft_p95_s")},
+            "aggregate_over_llama_server": (None if reference is None or arm == LLAMA_SERVER
+                                            else ratio(row["aggregate_tok_s"],
+                                                       reference["aggregate_tok_s"]))})
+    return out
+
+
+def comparison_line(c: dict) -> str:
+    line = (f"{c['arm']}: Poisson ~{c['concurrency']} (measured {c['in_flight_mean']:.2f} in "
+            f"flight) over one client: aggregate {fmt(c['aggregate_tok_s_over_solo'], '.2f')}x, "
+            f"request decode {fmt(c['decode_tok_s_median_over_solo'], '.2f')}x, first token "
+            f"median {fmt(c['ttft_median_s_over_solo'], '.2f')}x, "
+            f"p95 {fmt(c['ttft_p95_s_over_solo'], '.2f')}x")
+    if c["aggregate_over_llama_server"] is not None:
+        line += (f"; aggregate {c['aggregate_over_llama_server']:.2f}x llama-server's under the "
+                 f"same arrivals")
+    return line
 
 
 MIXED = ("stream", "plain", "stream", "cancel", "malformed", "plain")  # request i: MIXED[i % 6]
@@ -331,7 +515,8 @@ def fmt(value, spec: str) -> str:
 
 def table_row(r: dict) -> str:
     same = "-" if r["same_as_solo"] is None else f"{r['same_as_solo']}/{r['requests']}"
-    return (f"{r['arm']:<16} {r['clients']:>3} {r['requests']:>4} {r['failed']:>3} "
+    n = f"~{r['clients']}" if r.get("arrivals") == "poisson" else r["clients"]
+    return (f"{r['arm']:<16} {n:>3} {r['requests']:>4} {r['failed']:>3} "
             f"{r['aggregate_tok_s']:>9.1f} {fmt(r['decode_tok_s_median'], '>9.1f')} "
             f"{fmt(r['ttft_median_s'], '>8.3f')} {fmt(r['ttft_p95_s'], '>8.3f')} {same:>7}")
 
@@ -342,25 +527,41 @@ HEADER = (f"{'arm':<16} {'N':>3} {'reqs':>4} {'err':>3} {'agg tok/s':>9} {'req t
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    clients = sorted({int(c) for c in args.clients.split(",")})
+    poisson = args.arrivals == "poisson"
+    clients = [1] if poisson else sorted({int(c) for c in args.clients.split(",")})
     arms = [a.replace("+", ",") for a in args.arms.split(",") if a]
     conversations = load_conversations(args.data)
     requests = first_turns(conversations, args.short)
-    if len(requests) < max(max(clients), args.requests):
-        requests = (requests * (max(max(clients), args.requests) // len(requests) + 1))
+    if args.prompts == "mixed":
+        requests = mixed_order(requests, args.seed)
+    need = max(args.parallel or args.concurrency, args.requests) if poisson else max(
+        max(clients), args.requests)
+    if len(requests) < need:
+        requests = (requests * (need // len(requests) + 1))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it
     if LLAMA_SERVER in arms:
         ensure_built()
     machine = machine_description()
+    what = (f"{args.requests} requests, one client then Poisson arrivals keeping about "
+            f"{args.concurrency} in flight" if poisson else f"{args.requests} requests per N")
     print(f"CPU: {machine.get('cpu')}; server threads {args.threads}; cap {args.cap}; "
-          f"{args.requests} requests per N (first turns of {args.data.name}"
-          f"{f', at most {args.short} characters' if args.short else ''})")
+          f"{what} (first turns of {args.data.name}"
+          f"{f', at most {args.short} characters' if args.short else ''}"
+          f"{f', mixed by seed {args.seed}' if args.prompts == 'mixed' else ''})")
     print(HEADER)
     rows = []
+    rate = args.rate
     with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:
         for arm in arms:
-            rows += bench_arm(arm, clients, requests, args, Path(tmp))
-    for arm in arms:  # the arm's table rows by N (a mixed run's row has no aggregate)
+            if poisson:  # the first arm's solo pass sets the rate every arm then gets
+                arm_rows, rate = bench_arm_arrivals(arm, requests, args, Path(tmp), rate)
+                rows += arm_rows
+            else:
+                rows += bench_arm(arm, clients, requests, args, Path(tmp))
+    comparison = compare_arrivals(rows) if poisson else None
+    for c in comparison or []:
+        print(comparison_line(c))
+    for arm in [] if poisson else arms:  # rows by N (a mixed run's row has no aggregate)
         by_n = {r["clients"]: r for r in rows if r["arm"] == arm and "aggregate_tok_s" in r}
         solo, more = by_n.get(1), [by_n[n] for n in sorted(by_n) if n != 1]
         if solo is None or not more:
@@ -376,8 +577,11 @@ def main(argv=None) -> int:
                 f"one after another at their solo cost: {r['ttft_p95_waves_s'] / p1:.2f}x)"
                 for r in tails))
     if args.json is not None:
-        args.json.write_text(json.dumps({"machine": machine, "settings": vars(args) | {
-            "data": str(args.data), "json": str(args.json)}, "rows": rows}, indent=1))
+        out = {"machine": machine, "settings": vars(args) | {
+            "data": str(args.data), "json": str(args.json)}, "rows": rows}
+        if comparison is not None:
+            out["comparison"] = comparison
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -32,14 +32,14 @@ completed replies equal to the same request sent alone, and the server's peak RS
 
 --arrivals poisson --concurrency N sends the requests open-loop instead. Per arm, one client runs
 them back to back (the solo pass, the N = 1 row), then the same requests arrive at the times of
-a Poisson process (benchmarks/arrivals.py) whose rate keeps about N in flight: N over the solo
-pass's mean request time (its wall over its requests), taken from the first arm's solo pass (or
---rate) and kept for every later arm, so that with the same --seed every arm gets the same
-arrival times. A request is sent at its time whether or not earlier replies have come. Each pass
-runs on a fresh server of the arm (empty store and caches) whose slots are warmed on prompts
-neither pass sends, so no prompt cache (llama-server's RAM cache included) prefills a measured
-prompt for free. The Poisson row (N shown as ~N): the same figures, wall from the first arrival
-to the last reply, plus the rate, the mean number in flight that was measured (Little's law:
+a Poisson process (benchmarks/arrivals.py) whose rate keeps about N in flight: by Little's law,
+the completion rate of N closed-loop clients on the first arm (a calibration pass, its numbers
+in the row's rate_from; or --rate), kept for every later arm, so that with the same --seed
+every arm gets the same arrival times. A request is sent at its time whether or not earlier
+replies have come. Each pass runs on a fresh server of the arm (empty store and caches) whose
+slots are warmed on prompts neither pass sends, so no prompt cache (llama-server's RAM cache
+included) prefills a measured prompt for free. The Poisson row (N shown as ~N): the same
+figures, wall from the first arrival to the last reply, plus the rate, the mean number in flight that was measured (Little's law:
 every request's time over the wall) and how late the latest dispatch was. After the table, per
 arm: its aggregate, per-request decode speed and first token (median, p95) over its solo pass's,
 and its aggregate over llama-server's under the same arrivals (when `llama-server` is an arm).
@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "poisson: one client, then open-loop Poisson arrivals (--concurrency)")
     p.add_argument("--concurrency", type=int, default=None, metavar="N",
                    help="with --arrivals poisson: the mean number of requests in flight the "
-                        "rate is set for (N over the first arm's mean request time alone)")
+                        "rate is set for (Little's law: the completion rate of N closed-loop "
+                        "clients on the first arm)")
     p.add_argument("--rate", type=float, default=None, metavar="PER_S",
                    help="with --arrivals poisson: this arrival rate instead of the derived one")
     p.add_argument("--seed", type=int, default=0,
@@ -331,8 +332,8 @@ def bench_arm_arrivals(arm: str, requests, args, out_dir: Path,
     each pass on a fresh server of the arm (empty store, empty caches) whose slots are warmed
     on prompts the passes do not send: llama-server's RAM prompt cache would otherwise give the
     second pass every prompt the first sent, long documents included, and our slots the last
-    few. Without a rate, it is set from the solo pass: --concurrency over its mean request
-    time. Returns the rows and the rate used."""
+    few. Without a rate, it is calibrated (calibrated_rate). Returns the rows and the rate
+    used."""
     parallel = args.parallel or args.concurrency
     work = requests[:args.requests]
     warm = warm_up_requests(requests, parallel)
@@ -344,14 +345,9 @@ def bench_arm_arrivals(arm: str, requests, args, out_dir: Path,
                     **summarise(1, solo, solo_wall, None),
                     "request_mean_s": solo_wall / len(work)}
     print(table_row(solo_row), flush=True)
+    calibration = None
     if rate_per_s is None:
-        if solo_row["failed"] == len(work):
-            raise SystemExit(f"{arm}: every request of the solo pass failed, so no arrival "
-                             f"rate follows from it (see {arm}'s server log)")
-        rate_per_s = args.concurrency / solo_row["request_mean_s"]
-        print(f"arrivals: {rate_per_s:.3f} a second, seed {args.seed} ({args.concurrency} over "
-              f"{arm}'s mean request time alone, {solo_row['request_mean_s']:.2f} s; the same "
-              f"for every arm)", flush=True)
+        rate_per_s, calibration = calibrated_rate(arm, work, warm, parallel, args, out_dir)
     offsets = poisson_arrivals(len(work), rate_per_s, args.seed)
     with make_server(arm, parallel, args, out_dir) as server:
         run_clients(server.url, warm, parallel, min(args.cap, 16))
@@ -359,12 +355,35 @@ def bench_arm_arrivals(arm: str, requests, args, out_dir: Path,
         row = {"arm": arm, "parallel": parallel, "forward": server.forward,
                **summarise_arrivals(args.concurrency, replies, spans, wall, solo, offsets,
                                     rate_per_s, args.seed)}
+        if calibration is not None:
+            row["rate_from"] = calibration  # the closed-loop pass the rate was taken from
         print(table_row(row), flush=True)
         rows = [solo_row, row]
         if args.mixed:
             rows.append(mixed_check(server, arm, requests, args.mixed, args.concurrency,
                                     args.cap))
     return rows, rate_per_s
+
+
+def calibrated_rate(arm: str, work, warm, parallel: int, args, out_dir: Path
+                    ) -> tuple[float, dict]:
+    """The arrival rate that keeps about --concurrency requests in flight on this arm: N
+    closed-loop clients keep exactly N in flight, so by Little's law their completion rate
+    (requests over the pass's wall) is the arrival rate whose mean in flight is N at the
+    loaded latency. (N over the solo request time would assume N requests cost one's time:
+    on two cores it kept twice N waiting.) Measured on a fresh server, as the passes are."""
+    with make_server(arm, parallel, args, out_dir) as server:
+        run_clients(server.url, warm, parallel, min(args.cap, 16))
+        replies, wall = run_clients(server.url, work, args.concurrency, args.cap)
+    done = sum(1 for r in replies if r is not None)
+    if not done:
+        raise SystemExit(f"{arm}: every request of the calibration pass failed, so no arrival "
+                         f"rate follows from it (see {arm}'s server log)")
+    rate = done / wall
+    print(f"arrivals: {rate:.3f} a second, seed {args.seed} (the completion rate of "
+          f"{args.concurrency} closed-loop clients on {arm}: {done} requests in {wall:.1f} s; "
+          "the same for every arm)", flush=True)
+    return rate, {"clients": args.concurrency, "requests": done, "wall_s": wall}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

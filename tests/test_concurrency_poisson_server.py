@@ -40,7 +40,10 @@ def test_the_poisson_pass_answers_every_request_as_the_solo_pass_did(tmp_path, c
     solo, poisson = result["rows"]
     assert solo["clients"] == 1 and solo["failed"] == 0 and "arrivals" not in solo
     rate = poisson["rate_per_s"]
-    assert rate == pytest.approx(2 / solo["request_mean_s"])  # N over the mean request time
+    # Little's law: the completion rate of 2 closed-loop clients keeps 2 in flight
+    calibration = poisson["rate_from"]
+    assert calibration["clients"] == 2 and calibration["requests"] == 3
+    assert rate == pytest.approx(3 / calibration["wall_s"])
     assert poisson["arrivals"] == "poisson" and poisson["clients"] == 2 and poisson["seed"] == 5
     assert poisson["failed"] == 0 and poisson["same_as_solo"] == 3
     assert poisson["tokens"] == solo["tokens"]

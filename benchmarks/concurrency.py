@@ -30,20 +30,21 @@ can give the last prompt of such a wave its first token before the others' prefi
 cancelled after three deltas, some malformed) and reports 5xx answers (there should be none),
 completed replies equal to the same request sent alone, and the server's peak RSS.
 
---arrivals poisson --concurrency N sends the requests open-loop instead. Per arm, one client runs
-them back to back (the solo pass, the N = 1 row), then the same requests arrive at the times of
-a Poisson process (benchmarks/arrivals.py) whose rate keeps about N in flight: by Little's law,
-the completion rate of N closed-loop clients on the first arm (a calibration pass, its numbers
-in the row's rate_from; or --rate), kept for every later arm, so that with the same --seed
-every arm gets the same arrival times. A request is sent at its time whether or not earlier
-replies have come. Each pass runs on a fresh server of the arm (empty store and caches) whose
-slots are warmed on prompts neither pass sends, so no prompt cache (llama-server's RAM cache
-included) prefills a measured prompt for free. The Poisson row (N shown as ~N): the same
-figures, wall from the first arrival to the last reply, plus the rate, the mean number in flight that was measured (Little's law:
-every request's time over the wall) and how late the latest dispatch was. After the table, per
-arm: its aggregate, per-request decode speed and first token (median, p95) over its solo pass's,
-and its aggregate over llama-server's under the same arrivals (when `llama-server` is an arm).
-The server's --parallel defaults to N, so a burst past N waits for a slot, as in service.
+--arrivals poisson --concurrency N sends the requests open-loop instead. Per arm, one client
+runs them back to back (the solo pass, the N = 1 row), then the same requests arrive at the
+times of a Poisson process (benchmarks/arrivals.py) whose rate keeps about N in flight: by
+Little's law, the completion rate of N closed-loop clients on the first arm (a calibration pass,
+its numbers in the row's rate_from; or --rate), kept for every later arm, so that with the same
+--seed every arm gets the same arrival times. A request is sent at its time whether or not
+earlier replies have come. Each pass runs on a fresh server of the arm (empty store and caches)
+whose slots are warmed on prompts neither pass sends, so no prompt cache (llama-server's RAM
+cache included) prefills a measured prompt for free. The Poisson row (N shown as ~N): the same
+figures, wall from the first arrival to the last reply, plus the rate, the mean number in flight
+that was measured (Little's law: every request's time over the wall) and how late the latest
+dispatch was. After the table, per arm: its aggregate, per-request decode speed and first token
+(median, p95) over its solo pass's, and its aggregate over llama-server's under the same
+arrivals (when `llama-server` is an arm). The server's --parallel defaults to N, so a burst past
+N waits for a slot, as in service.
 
     .venv/bin/python benchmarks/concurrency.py --arms ar,adaspark+gate,llama-server \\
         --arrivals poisson --concurrency 4 --prompts mixed --requests 45 --cap 128

@@ -55,12 +55,9 @@ def ask(base: str, payload: dict) -> str:
     return text
 
 
-def test_concurrent_replies_equal_solo_ones(served):
-    base, worker = served["base"], served["worker"]
-    payloads = [body(PROMPTS[0], max_tokens=32),
-                body(PROMPTS[1], max_tokens=32, stream=True),
-                body(PROMPTS[2], max_tokens=32, temperature=0.9, seed=3)]
-    solo = [ask(base, p) for p in payloads]
+@contextlib.contextmanager
+def peak_running(worker):
+    """The most requests the worker ran at once while the block ran: [peak]."""
     peak, stop = [0], threading.Event()
 
     def watch():
@@ -71,11 +68,21 @@ def test_concurrent_replies_equal_solo_ones(served):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with ThreadPoolExecutor(len(payloads)) as pool:
-            together = list(pool.map(lambda p: ask(base, p), payloads))
+        yield peak
     finally:
         stop.set()
         watcher.join()
+
+
+def test_concurrent_replies_equal_solo_ones(served):
+    base, worker = served["base"], served["worker"]
+    payloads = [body(PROMPTS[0], max_tokens=32),
+                body(PROMPTS[1], max_tokens=32, stream=True),
+                body(PROMPTS[2], max_tokens=32, temperature=0.9, seed=3)]
+    solo = [ask(base, p) for p in payloads]
+    with peak_running(worker) as peak:
+        with ThreadPoolExecutor(len(payloads)) as pool:
+            together = list(pool.map(lambda p: ask(base, p), payloads))
     assert together == solo
     assert peak[0] >= 2  # they shared the batch, not took turns
 

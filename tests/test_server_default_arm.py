@@ -8,13 +8,12 @@ store on disk then holds every round the requests ran."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from test_server import _serving, _wait
+from test_server_batching import peak_running
 
 from adaspark.engine import Engine
 from adaspark.model.sources import default_model_path
@@ -82,26 +81,13 @@ def test_the_default_arm_under_concurrency_equals_ar_token_for_token(plain_repli
     engine = Engine.load(model_path, store=tmp_path, fresh=True)  # the default arm
     assert engine.speculator is not None and engine.speculator.arm == "adaspark,gate"
     app = create_app(lambda: engine, model_id="m", parallel=len(REQUESTS))
-    peak, stop = [0], threading.Event()
     with _serving(app) as base:
         _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
-        worker = app.state.worker
-
-        def watch():
-            while not stop.is_set():
-                peak[0] = max(peak[0], worker.running)
-                time.sleep(0.002)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            replies = []
+        replies = []
+        with peak_running(app.state.worker) as peak:
             for _ in range(2):  # the second wave plans on what the first one learned
                 with ThreadPoolExecutor(len(REQUESTS)) as pool:
                     replies += list(pool.map(lambda r: ask(base, payload(*r)), REQUESTS))
-        finally:
-            stop.set()
-            watcher.join()
         assert [r[:3] for r in replies] == plain_replies * 2
         assert peak[0] >= 2  # they shared the batch, not took turns
         drafters = {id(slot.drafter) for slot in engine.batch.slots}

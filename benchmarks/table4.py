@@ -190,6 +190,12 @@ def slot_context(model: Path) -> int:
     return min(config.context_length, DEFAULT_MAX_CONTEXT)
 
 
+def avx2_wanted(flag: bool, environ) -> bool:
+    """--avx2, or ADASPARK_NATIVE=avx2 set for ours: then llama-server runs without AVX-512
+    too, so that the side-by-side is AVX2 against AVX2."""
+    return flag or environ.get("ADASPARK_NATIVE") == "avx2"
+
+
 def pin_threads(threads: int, avx2: bool) -> None:
     """Our servers inherit these: a fixed thread count (no adapting to neighbours, as
     llama-server does not) and, with --avx2, the AVX2 build."""
@@ -235,7 +241,15 @@ def check_isa(out: Path, label: str, avx2: bool) -> None:
         out / FORWARDS).exists() else None
     if avx2 and forward != "native-avx2":
         raise UserError(f"--avx2: arm {label}'s server ran the {forward} forward, not "
-                        f"native-avx2; its log: {out / 'logs' / (file_stem(label) + '.log')}")
+                        f"native-avx2 (its log: {out / 'logs' / (file_stem(label) + '.log')}); "
+                        f"its replies are recorded in {out}: start again with another --out")
+
+
+def forwards(out: Path, labels: list[str]) -> str:
+    """The forwards our arms' servers ran (their /health), as the runner recorded them."""
+    seen = json.loads((out / FORWARDS).read_text()) if (out / FORWARDS).exists() else {}
+    ran = sorted({seen[label] for label in labels if label in seen})
+    return ", ".join(ran) + " forward" if ran else "no arm of ours ran"
 
 
 def write_report(args, labels: list[str], header: list[str]) -> dict:
@@ -280,6 +294,10 @@ def run(args) -> int:
     from adaspark.model.sources import resolve_model
 
     labels = parse_arms(args.arms)
+    if avx2_wanted(args.avx2, os.environ) and not args.avx2:
+        print("ADASPARK_NATIVE=avx2: llama-server runs its build without AVX-512 too (--avx2)",
+              file=sys.stderr)
+        args.avx2 = True
     conversations = select(load_conversations(args.conversations), args.subset, args.limit)
     model = resolve_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -294,9 +312,10 @@ def run(args) -> int:
                             ).read_text())
     draft_gguf = None
     if t4.needs_draft_gguf(labels):
-        draft_gguf = args.draft_gguf or export_drafter(args.out, args.model, args.drafter)
+        draft_gguf = (args.draft_gguf or export_drafter(args.out, args.model, args.drafter)
+                      ).resolve()  # llama-server may not share our working directory
         check_draft_gguf(draft_gguf)
-        check_settings(args.out, {**settings, "draft_gguf": str(draft_gguf.resolve())})
+        check_settings(args.out, {**settings, "draft_gguf": str(draft_gguf)})
     context = slot_context(model)
     for label in labels:
         if arm_done(args.out, label, conversations):
@@ -310,7 +329,8 @@ def run(args) -> int:
               f"threads every server; model {model.name}; cap {args.cap}; "
               f"{len(conversations)} conversations "
               f"({subset_name(args.subset, args.limit) or 'all'} of {args.conversations.name})",
-              f"ours: {'ADASPARK_NATIVE=avx2' if args.avx2 else 'the native build it picks'}; "
+              f"ours: {forwards(args.out, labels)}"
+              f"{' (ADASPARK_NATIVE=avx2)' if args.avx2 else ''}; "
               f"drafter {args.drafter or 'the shipped one'}"
               + (f"; llama.cpp drafter GGUF {draft_gguf}" if draft_gguf else ""),
               *([f"llama-server {llama_server.VERSION}: {stamp['cmake_args']}"] if stamp

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,13 @@ def test_arms_are_checked_and_a_resume_with_other_settings_is_refused(tmp_path):
         table4.check_settings(tmp_path, {**settings, "draft_gguf": "/other.gguf"})
 
 
+def test_avx2_for_ours_means_llama_server_without_avx512_too():
+    assert table4.avx2_wanted(True, {})
+    assert table4.avx2_wanted(False, {"ADASPARK_NATIVE": "avx2"})
+    assert not table4.avx2_wanted(False, {"ADASPARK_NATIVE": "avx512"})
+    assert not table4.avx2_wanted(False, {})
+
+
 def test_without_the_exporter_the_dspark_arms_say_what_to_do(tmp_path, monkeypatch):
     import adaspark.cli
 
@@ -197,7 +205,9 @@ def test_ar_and_llama_server_end_to_end_then_resumed(tmp_path, model_path):
     assert [(p["numerator"], p["denominator"]) for p in head] == [("ar", "llama-server")]
     assert head[0]["ended"]["capped"] == 2 and head[0]["capped"]["n"] == 2
     assert math.isfinite(head[0]["capped"]["value"])
-    assert "| llama.cpp | `llama-server` |" in (out / "table4.md").read_text()
+    text = (out / "table4.md").read_text()
+    assert "| llama.cpp | `llama-server` |" in text
+    assert re.search(r"ours: (native|torch)-\S+ forward", text)  # what our server ran
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stderr.count("every conversation done, not run again") == 2

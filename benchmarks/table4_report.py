@@ -251,6 +251,9 @@ def markdown(summary: dict, header: list[str]) -> str:
     if wrong:
         lines += ["", f"**Not greedy-exact**: {', '.join(wrong)} gave replies that differ from "
                       "our `ar`'s (every arm of ours must emit the target's greedy tokens)."]
-    lines += ["", "llama-server's replies equal to ours are informational (another engine's "
-                  "kernels may round differently)."]
+    lines += ["", "Accepted of drafted: llama-server's drafted tokens (`stream`: the `timings` of "
+                  "each reply; `log`: its log lines), ours the draft rows our rounds verified "
+                  "(`rounds`: a tree verifies several branches, a chain one). llama-server's "
+                  "replies equal to ours are informational (another engine's kernels may round "
+                  "differently)."]
     return "\n".join(lines) + "\n"

@@ -237,17 +237,20 @@ def run_arm(label: str, args, conversations, model: Path, draft_gguf: Path | Non
 def check_isa(out: Path, label: str, avx2: bool) -> None:
     """With --avx2, our server must have run the AVX2 forward (a failed build load falls back
     to another with one log line)."""
-    forward = json.loads((out / FORWARDS).read_text()).get(label) if (
-        out / FORWARDS).exists() else None
+    forward = recorded_forwards(out).get(label)
     if avx2 and forward != "native-avx2":
         raise UserError(f"--avx2: arm {label}'s server ran the {forward} forward, not "
                         f"native-avx2 (its log: {out / 'logs' / (file_stem(label) + '.log')}); "
                         f"its replies are recorded in {out}: start again with another --out")
 
 
+def recorded_forwards(out: Path) -> dict[str, str]:
+    """Arm label -> the forward its server ran (its /health), as the runner recorded them."""
+    return json.loads((out / FORWARDS).read_text()) if (out / FORWARDS).exists() else {}
+
+
 def forwards(out: Path, labels: list[str]) -> str:
-    """The forwards our arms' servers ran (their /health), as the runner recorded them."""
-    seen = json.loads((out / FORWARDS).read_text()) if (out / FORWARDS).exists() else {}
+    seen = recorded_forwards(out)
     ran = sorted({seen[label] for label in labels if label in seen})
     return ", ".join(ran) + " forward" if ran else "no arm of ours ran"
 

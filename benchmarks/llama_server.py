@@ -8,6 +8,9 @@ A stamp written last names the version and switches; a build with other switches
     .venv/bin/python benchmarks/llama_server.py --build-only     # a few minutes on 2 cores
     .venv/bin/python benchmarks/llama_server.py --print-command --parallel 4
 
+A build without AVX-512 (`--no-avx512`, for the AVX2 side-by-side on a machine that has
+AVX-512) goes into its own folder beside it, so the two builds are kept and neither is redone.
+
 `LlamaServer` runs it like our LocalServer (adaspark/bench/servers.py): `--parallel N` slots with
 continuous batching (llama-server's default), the GGUF's chat template through jinja (tools
 included), the same thread count for decoding and batches, and each slot the context a
@@ -36,12 +39,13 @@ STAMP = "adaspark-build.json"
 SLOT_CONTEXT = 4096  # per slot: the evaluation's first turns with tools fit
 
 
-def server_dir() -> Path:
-    return default_venv().parent / "server"
+def server_dir(avx512: bool = True) -> Path:
+    """The build's folder: one per choice of --no-avx512, so the AVX2 build keeps the other."""
+    return default_venv().parent / ("server" if avx512 else "server-no-avx512")
 
 
-def binary() -> Path:
-    return server_dir() / "llama-server"
+def binary(avx512: bool = True) -> Path:
+    return server_dir(avx512) / "llama-server"
 
 
 def configure_args(isa_args: str) -> list[str]:
@@ -51,19 +55,19 @@ def configure_args(isa_args: str) -> list[str]:
             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
 
 
-def built(isa_args: str) -> bool:
+def built(isa_args: str, avx512: bool = True) -> bool:
     try:
-        stamp = json.loads((server_dir() / STAMP).read_text())
+        stamp = json.loads((server_dir(avx512) / STAMP).read_text())
     except (OSError, ValueError):
         return False
     return (stamp.get("version") == VERSION and stamp.get("cmake_args") == isa_args
-            and binary().exists())
+            and binary(avx512).exists())
 
 
-def build(isa_args: str, jobs: int) -> float:
+def build(isa_args: str, jobs: int, avx512: bool = True) -> float:
     """Download the sdist (the registry's, no dependencies), build llama-server; seconds."""
     start = time.perf_counter()
-    out = server_dir()
+    out = server_dir(avx512)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -82,8 +86,8 @@ def build(isa_args: str, jobs: int) -> float:
                         *configure_args(isa_args)], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server",
                         "-j", str(jobs)], check=True)
-        shutil.copy2(build_dir / "bin" / "llama-server", binary())
-    subprocess.run([str(binary()), "--version"], check=True, capture_output=True)
+        shutil.copy2(build_dir / "bin" / "llama-server", binary(avx512))
+    subprocess.run([str(binary(avx512)), "--version"], check=True, capture_output=True)
     seconds = time.perf_counter() - start
     (out / STAMP).write_text(json.dumps({"version": VERSION, "cmake_args": isa_args,
                                          "build_s": round(seconds, 1)}) + "\n")
@@ -92,24 +96,32 @@ def build(isa_args: str, jobs: int) -> float:
 
 def ensure_built(jobs: int = 2, avx512: bool = True) -> Path:
     isa_args = cmake_args(cpu_flags(), avx512=avx512)
-    if not built(isa_args):
-        print(f"llama-server built in {build(isa_args, jobs) / 60:.1f} min", file=sys.stderr)
-    return binary()
+    if not built(isa_args, avx512):
+        seconds = build(isa_args, jobs, avx512)
+        print(f"llama-server built in {seconds / 60:.1f} min", file=sys.stderr)
+    return binary(avx512)
 
 
-def command(model: Path, port: int, parallel: int, threads: int) -> list[str]:
-    return [str(binary()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--parallel", str(parallel), "--ctx-size", str(SLOT_CONTEXT * parallel),
+def command(model: Path, port: int, parallel: int, threads: int, *,
+            slot_context: int = SLOT_CONTEXT, avx512: bool = True,
+            extra: list[str] = ()) -> list[str]:
+    """extra: more llama-server options (a speculative decoding setup, for one)."""
+    return [str(binary(avx512)), "--model", str(model), "--host", "127.0.0.1", "--port",
+            str(port), "--parallel", str(parallel), "--ctx-size", str(slot_context * parallel),
             "--threads", str(threads), "--threads-batch", str(threads), "--jinja",
-            "--cont-batching", "--no-webui"]
+            "--cont-batching", "--no-webui", *extra]
 
 
 class LlamaServer(ServerProcess):
     """llama-server on a free port, serving `model` with `parallel` slots."""
 
-    def __init__(self, model: Path, log_path: Path, parallel: int, threads: int):
+    def __init__(self, model: Path, log_path: Path, parallel: int, threads: int, *,
+                 slot_context: int = SLOT_CONTEXT, avx512: bool = True,
+                 extra: list[str] = ()):
         port = free_port()
-        super().__init__(command(model, port, parallel, threads), port, log_path)
+        cmd = command(model, port, parallel, threads, slot_context=slot_context,
+                      avx512=avx512, extra=extra)
+        super().__init__(cmd, port, log_path)
 
     def __enter__(self) -> LlamaServer:
         super().__enter__()
@@ -131,7 +143,8 @@ def main(argv=None) -> int:
     if args.print_command:
         from adaspark.model.sources import resolve_model
 
-        print(" ".join(command(resolve_model(args.model), 8080, args.parallel, args.threads)))
+        print(" ".join(command(resolve_model(args.model), 8080, args.parallel, args.threads,
+                               avx512=not args.no_avx512)))
     return 0
 
 

@@ -284,6 +284,13 @@ class GrammarState:
                         legal.append(node)
                     continue
                 run = run_of(node)
+                if len(run) == 1 and node not in children and not (forced and not legal):
+                    # a leaf below which no chain can hang (a sibling behind a legal one):
+                    # its check alone, nothing to consume and roll back
+                    if matcher.validate_tokens([tokens[node]]):
+                        out.illegal[node] = False
+                        legal.append(node)
+                    continue
                 taken = matcher.try_consume_tokens([tokens[n] for n in run])
                 if not taken:
                     continue

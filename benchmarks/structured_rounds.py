@@ -130,6 +130,12 @@ def round_counts(trace: RoundTrace) -> dict[str, int]:
             c["parents_pick_forbidden_sibling_accepted"] = c.get(
                 "parents_pick_forbidden_sibling_accepted", 0) + int(
                 np.isin(kids[1:], accepted).any())
+            target = int(out.parent_targets[list(out.labelled_parents).index(parent)])
+            right = kids[1:][tree.token[kids[1:]] == target]
+            if right.size:  # the target's pick was a legal sibling: placed or not
+                key = "placed" if np.isin(right, placed).any() else "unplaced"
+                c[f"parents_pick_forbidden_sibling_right_{key}"] = c.get(
+                    f"parents_pick_forbidden_sibling_right_{key}", 0) + 1
     if plan.gate_bucket is not None:
         c[f"gate_bucket_{plan.gate_bucket}"] = 1
         c[f"gate_bucket_{plan.gate_bucket}_{'drafted' if plan.drafted else 'undrafted'}"] = 1
@@ -190,6 +196,8 @@ def main(argv=None) -> int:
                                                       "undrafted")] = 1
             gate_seen.clear()
         c["labels"] = int(records[-1].get("labels") or 0)
+        # what the plan expected to accept, in thousandths (summed, it sets against accepted)
+        c["pred_S_milli"] = round(1000 * float(records[-1].get("pred_S") or 0.0))
         rounds.append(c)
 
     spec.round_hook = hook

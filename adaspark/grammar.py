@@ -248,31 +248,64 @@ class GrammarState:
 
     def survey(self, tokens: np.ndarray, parents: np.ndarray, forced: bool = True) -> Survey:
         """A candidate tree below this state (node i: tokens[i] under parents[i], -1 the state
-        itself, every parent before its children): the nodes whose path the grammar forbids
-        (below an illegal node, everything), the legal nodes it makes certain, and (forced) the
-        chains it forces below the legal nodes none of whose candidates is legal. The state is
-        as it was after."""
+        itself, every parent before its children; a parent's candidates likeliest first, as
+        CandidateTree orders them): the nodes whose path the grammar forbids (below an illegal
+        node, everything), the legal nodes it makes certain, and (forced) the chains it forces
+        below the legal nodes none of whose candidates is legal. The state is as it was after.
+
+        What it asks the matcher is bounded by what can take a row (docs/structured-output.md,
+        "What the survey costs"): a run of nodes each its parent's only candidate (an n-gram
+        chain) is checked in one call, and its nodes below the first are not marked certain;
+        a parent is asked for its only legal token only where exactly one of its candidates is
+        legal; and a forced chain hangs only below the anchor and a parent's first legal
+        candidate (a drafter's sibling behind a legal pick is a leaf whose chain would never
+        outrank the pick's subtree)."""
         tokens, parents = np.asarray(tokens).tolist(), np.asarray(parents).tolist()
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(parents):
             children.setdefault(parent, []).append(node)
         out = Survey(np.ones(len(tokens), dtype=bool), np.zeros(len(tokens), dtype=bool))
+        matcher, stops = self._m, self.stop_ids
 
-        def visit(parent: int) -> None:  # the matcher stands at `parent`'s path
-            kids = children.get(parent, ())
-            sole = self.sole() if kids and forced else None
-            extend = True
-            for node in kids:
-                token = tokens[node]
-                if not self.legal(token):
+        def run_of(node: int) -> list[int]:
+            """`node` and its descendants while each is its parent's only candidate (a stop
+            token ends a run: it is checked, never consumed)."""
+            run = [node]
+            while len(kids := children.get(run[-1], ())) == 1 and tokens[kids[0]] not in stops:
+                run.append(kids[0])
+            return run
+
+        def visit(parent: int, lead: bool) -> None:  # the matcher stands at `parent`'s path
+            legal: list[int] = []
+            for node in children.get(parent, ()):
+                if tokens[node] in stops:
+                    if matcher.is_accepting():
+                        out.illegal[node] = False
+                        legal.append(node)
                     continue
-                out.illegal[node], out.certain[node], extend = False, token == sole, False
-                if token not in self.stop_ids and (forced or node in children):
-                    self._m.consume_token(token)
-                    visit(node)
-                    self.rollback(1)
-            if forced and extend and (chain := self.forced()):
+                run = run_of(node)
+                if len(run) == 1 and node not in children and not (forced and not legal):
+                    # a leaf below which no chain can hang (a sibling behind a legal one):
+                    # its check alone, nothing to consume and roll back
+                    if matcher.validate_tokens([tokens[node]]):
+                        out.illegal[node] = False
+                        legal.append(node)
+                    continue
+                taken = matcher.try_consume_tokens([tokens[n] for n in run])
+                if not taken:
+                    continue
+                out.illegal[run[:taken]] = False
+                end = run[taken - 1]
+                if taken == len(run) and end in children:
+                    visit(end, lead=not legal or taken > 1)
+                elif forced and (not legal or taken > 1) and (chain := self.forced()):
+                    out.forced.append((end, chain))
+                legal.append(node)
+                self.rollback(taken)
+            if forced and len(legal) == 1 and tokens[legal[0]] == self.sole():
+                out.certain[legal[0]] = True
+            if forced and not legal and lead and (chain := self.forced()):
                 out.forced.append((parent, chain))
 
-        visit(-1)
+        visit(-1, lead=True)
         return out

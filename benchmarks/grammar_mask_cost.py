@@ -52,14 +52,22 @@ def run_llguidance(tok, docs, repeat: int) -> dict:
     t = time.perf_counter()
     compiler = GrammarCompiler.for_tokenizer(tok)
     out = {"tokenizer_s": time.perf_counter() - t, "compile": [], "mask": [], "consume": [],
-           "check": [], "fork": []}
+           "check": [], "fork": [], "forced": [], "run": []}
     for schema, ids in docs:
         for _ in range(repeat):
             t = time.perf_counter()
             grammar = compiler.compile(ResponseFormat("json_schema", schema))
             out["compile"].append(time.perf_counter() - t)
             state = grammar.start()
-            for token in ids:
+            for at, token in enumerate(ids):
+                # the tree survey's two other calls: the forced-token look-up, and a run of the
+                # next (up to) 8 tokens checked in one call and rolled back
+                t = time.perf_counter()
+                state._m.compute_ff_tokens()
+                out["forced"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                state.rollback(state._m.try_consume_tokens(ids[at:at + 8]))
+                out["run"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 allowed = state.allowed()
                 out["mask"].append(time.perf_counter() - t)
@@ -159,6 +167,9 @@ def main(argv=None) -> None:
               f"{ms(out['mask']):>8} {ms(out['consume']):>10} {ms(out['check']):>8} "
               f"{copy:>8}   p90 mask {1000 * float(np.quantile(out['mask'], 0.9)):.3f} ms "
               f"over {len(out['mask'])}")
+        if out.get("forced"):
+            print(f"{name:12} a forced-token look-up {ms(out['forced'])} ms, an 8-token run "
+                  f"checked and rolled back {ms(out['run'])} ms (medians)")
     if args.verify:
         print(f"one-row verify (embedded model, ar): {1000 * one_row_verify_s(args.repeat):.2f} ms")
 

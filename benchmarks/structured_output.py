@@ -109,7 +109,11 @@ def decode(engine: Engine, items: list[dict], structured: bool, max_tokens: int)
         replies.append({"name": item["name"], "tokens": g.token_ids, "text": g.text,
                         "finish": g.finish_reason, "decode_tokens": g.timings.decode_tokens,
                         "decode_s": g.timings.decode_s, "rows": g.timings.verified_rows,
-                        "accepted": g.timings.accepted_tokens})
+                        "accepted": g.timings.accepted_tokens,
+                        # rounds by kind: tokens a round, and how often each kind ran
+                        "draft_rounds": g.timings.draft_rounds,
+                        "ngram_rounds": g.timings.ngram_rounds,
+                        "plain_rounds": g.timings.plain_rounds})
     return replies
 
 
@@ -201,6 +205,16 @@ def main(argv=None) -> int:
         print(f"| {arm} | {free:.1f} | {schema:.1f} | {schema / free:.3f} | "
               f"{free / mean[base, 'free']:.2f} | {schema / mean[base, 'schema']:.2f} | "
               f"{ok}/{len(replies)} | {same}/{len(replies)} |")
+    print("\n| arm | mode | tokens a round | rows a round | ms a round | drafted / n-gram / "
+          "plain rounds |\n|---|---|---|---|---|---|")
+    for (arm, mode), runs in results.items():
+        replies = [r for run in runs for r in run]
+        kinds = [sum(r[f"{k}_rounds"] for r in replies) for k in ("draft", "ngram", "plain")]
+        rounds = max(sum(kinds), 1)
+        print(f"| {arm} | {mode} | {sum(r['decode_tokens'] for r in replies) / rounds:.2f} | "
+              f"{sum(r['rows'] for r in replies) / rounds:.2f} | "
+              f"{1000 * sum(r['decode_s'] for r in replies) / rounds:.2f} | "
+              f"{' / '.join(f'{k / rounds:.2f}' for k in kinds)} |")
     if args.json:
         args.json.write_text(json.dumps({
             "cpu": cpuinfo.name(), "args": {k: str(v) for k, v in vars(args).items()},

@@ -175,6 +175,118 @@ def test_forced_tokens_are_certain_and_extend_the_tree(make, tokenizer):
     assert survey.certain.tolist() == [True]  # a drafted "age" is certain
 
 
+class CountingMatcher:
+    """A matcher that counts the calls made on it (what a survey asks the grammar library)."""
+
+    def __init__(self, matcher):
+        self._m, self.calls = matcher, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._m, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args)
+        return counted
+
+
+def brute_illegal(grammar, so_far, tokens, parents) -> list[bool]:
+    """Each node's path checked from a fresh state, one token at a time (nothing is legal
+    below a stop token: the reply ends there)."""
+    out = []
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        state = grammar.start()
+        state.advance_all(so_far)
+        ok = True
+        for n in reversed(path):
+            ok = state.legal(tokens[n]) and (n == node or tokens[n] not in state.stop_ids)
+            if not ok:
+                break
+            state.advance(tokens[n])
+        out.append(not ok)
+    return out
+
+
+def test_the_survey_marks_exactly_the_paths_the_grammar_forbids(make, tokenizer):
+    """Random trees around a reply (chains of its next tokens, with wrong tokens and stop tokens
+    among them, branching anywhere): survey's illegal nodes are the brute-force ones, and the
+    state is where it was."""
+    engine = make("ar")
+    rng = np.random.default_rng(1)
+    stop = min(tokenizer.stop_ids)
+    checked = illegal_seen = 0
+    for messages, fmt, _ in CASES:
+        grammar = engine.grammar(fmt)
+        reply = engine.generate(messages, max_tokens=MAX_TOKENS, response_format=grammar)
+        ids = reply.token_ids + [reply.stop_token_id or stop]
+        for at in range(0, len(ids) - 1, 2):
+            tokens, parents, depth_of = [], [], {}
+            for _ in range(int(rng.integers(3, 16))):
+                parent = int(rng.integers(-1, len(tokens))) if tokens else -1
+                depth = 0 if parent < 0 else depth_of[parent] + 1
+                if parent >= 0 and tokens[parent] == stop:
+                    parent, depth = -1, 0
+                right = ids[min(at + depth, len(ids) - 1)]
+                token = right if rng.random() < 0.6 else int(rng.choice(
+                    [stop, *tokenizer.encode("} ,\n  x")]))
+                depth_of[len(tokens)] = depth
+                tokens.append(int(token))
+                parents.append(parent)
+            state = grammar.start()
+            state.advance_all(ids[:at])
+            survey = state.survey(np.array(tokens), np.array(parents))
+            assert survey.illegal.tolist() == brute_illegal(grammar, ids[:at], tokens, parents)
+            assert state.legal(ids[at])  # where it was
+            checked += len(tokens)
+            illegal_seen += int(survey.illegal.sum())
+    assert checked > 200 and 0 < illegal_seen < checked
+
+
+def test_the_survey_checks_a_chain_in_one_call(make, tokenizer):
+    """An n-gram chain (each node its parent's only candidate) costs one try-consume, not a
+    legality check, a consume, a rollback and a forced-token look-up per node: 12 nodes, at
+    most two look-ups (the anchor's only token, the chain's end) and two rollbacks."""
+    engine = make("ar")
+    messages, fmt, _ = CASES[0]
+    grammar = engine.grammar(fmt)
+    reply = engine.generate(messages, max_tokens=MAX_TOKENS, response_format=grammar)
+    state = grammar.start()
+    state.advance_all(reply.token_ids[:3])
+    chain = reply.token_ids[3:15]
+    counting = CountingMatcher(state._m)
+    state._m = counting
+    survey = state.survey(np.array(chain), np.arange(-1, len(chain) - 1))
+    assert not survey.illegal.any()
+    assert counting.calls.get("try_consume_tokens") == 1
+    assert counting.calls.get("compute_ff_tokens", 0) <= 2
+    assert counting.calls.get("rollback", 0) <= 2
+    assert "validate_tokens" not in counting.calls and "consume_token" not in counting.calls
+
+
+def test_forced_chains_hang_below_a_parents_first_legal_candidate_only(make, tokenizer):
+    """After '{"name": "Alice",' a drafted ' "' forces "age". As a sibling behind a legal pick
+    (whitespace) its chain would never outrank the pick's subtree: none is appended. Behind
+    an illegal pick it is the first legal candidate: the chain is appended below it."""
+    grammar = make("ar").grammar(CASES[0][1])
+    ids = tokenizer.encode('{"name": "Alice", "age": 30')
+    state = grammar.start()
+    state.advance_all(ids[:6])
+    pick = next(t for text in ("\n", " \n", "  ") for t in tokenizer.encode(text)[:1]
+                if state.legal(t) and t != ids[6])
+    wrong = tokenizer.encode("}")[0]
+    behind_legal = state.survey(np.array([pick, ids[6]]), np.array([-1, -1]))
+    assert behind_legal.illegal.tolist() == [False, False]
+    assert all(parent != 1 for parent, _ in behind_legal.forced)
+    behind_illegal = state.survey(np.array([wrong, ids[6]]), np.array([-1, -1]))
+    assert behind_illegal.illegal.tolist() == [True, False]
+    assert behind_illegal.forced == [(1, [ids[7]])]
+
+
 # ----- every arm equals ar ---------------------------------------------------------------------
 @pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
 def test_every_arm_equals_ar_under_the_same_grammar(make, sampling, monkeypatch):

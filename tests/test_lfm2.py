@@ -1,0 +1,277 @@
+"""LFM2 (short-convolution layers beside a few attention layers): its metadata, its forward
+against llama.cpp's on synthetic files, and the conv state under tree verify (a tree row reads
+its own path's B*x; the committed state is the accepted path's).
+
+The llama.cpp checks need llama.cpp's venv (benchmarks/vs_llamacpp.py --build-only builds it);
+without it they skip with that reason."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from adaspark.errors import UserError
+from adaspark.model import synthetic as syn
+from adaspark.model.config import ModelConfig
+from adaspark.model.transformer import Transformer
+
+SPEC = importlib.util.spec_from_file_location(
+    "peer_logits", Path(__file__).resolve().parents[1] / "benchmarks" / "peer_logits.py")
+pl = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(pl)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = syn.LFM2_SHAPES["tiny"]
+
+
+def _llamacpp_missing() -> str | None:
+    import subprocess
+
+    python = syn.llamacpp_python()
+    if not python.exists():
+        return f"llama.cpp's venv is absent ({python.parent.parent}; CI has none: " \
+               "benchmarks/vs_llamacpp.py --build-only builds it)"
+    if subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True).returncode:
+        return f"llama_cpp does not import in {python}"
+    return None
+
+
+needs_llamacpp = pytest.mark.skipif(bool(_llamacpp_missing()), reason=_llamacpp_missing() or "")
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lfm2")
+    cache = {}
+
+    def get(qtype: Q, shape: syn.Shape = TINY) -> Path:
+        key = (qtype, shape)
+        if key not in cache:
+            cache[key] = syn.write_model(root / f"lfm2-{len(cache)}-{qtype.name}.gguf",
+                                         syn.Recipe("lfm2", shape, qtype, seed=5))
+        return cache[key]
+
+    return get
+
+
+# --- metadata ----------------------------------------------------------------------------------
+
+def _meta(**over) -> dict:
+    meta = {"general.architecture": "lfm2", "lfm2.embedding_length": 256,
+            "lfm2.attention.head_count": 4, "lfm2.attention.head_count_kv": [0, 0, 2, 0],
+            "lfm2.block_count": 4, "lfm2.feed_forward_length": 512, "lfm2.vocab_size": 512,
+            "lfm2.shortconv.l_cache": 3}
+    meta.update({f"lfm2.{k}": v for k, v in over.items()})
+    return meta
+
+
+def test_per_layer_kv_heads_mark_the_conv_layers():
+    c = ModelConfig.from_metadata(_meta())
+    assert c.conv_layers == (0, 1, 3) and c.attention_layers == (2,)
+    assert c.n_kv_heads == 2 and c.conv_kernel == 3 and c.windows == (0, 0, 0, 0)
+    assert c.traits.final_norm == "token_embd_norm.weight"
+    windowed = ModelConfig.from_metadata(_meta(**{"attention.sliding_window": 64}))
+    assert windowed.windows == (0, 0, 64, 0)  # llama.cpp: every attention layer, not the convs
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"attention.head_count_kv": [0, 2]}, "lists 2 layers"),
+    ({"attention.head_count_kv": [0, 2, 4, 0]}, "different KV head counts"),
+    ({"shortconv.l_cache": 1}, "at least 2"),
+])
+def test_bad_lfm2_metadata_is_named(over, message):
+    with pytest.raises(UserError, match=message):
+        ModelConfig.from_metadata(_meta(**over))
+
+
+def test_conv_layers_need_a_shortconv_architecture():
+    meta = {k.replace("lfm2", "qwen3"): v for k, v in _meta().items()}
+    meta["general.architecture"] = "qwen3"
+    with pytest.raises(UserError, match="without short-convolution layers"):
+        ModelConfig.from_metadata(meta)
+
+
+def test_shapes_of_the_writer(written):
+    big = syn.LFM2_SHAPES["1.2b"]
+    specs = {s.name: s for s in syn.tensor_specs(syn.ARCHITECTURES["lfm2"], big)}
+    assert big.n_layers == 16 and big.dim == 2048 and len(big.attention_layers) == 6
+    assert specs["blk.0.shortconv.in_proj.weight"].shape == (3 * 2048, 2048)
+    assert specs["blk.0.shortconv.conv.weight"].shape == (2048, 3)
+    assert "blk.2.attn_q_norm.weight" in specs and "blk.0.attn_q.weight" not in specs
+    assert "token_embd_norm.weight" in specs and "output_norm.weight" not in specs
+    f = Transformer.from_gguf(written(Q.Q4_K), precision="reference", max_context=32)
+    assert [layer.conv is not None for layer in f.layers] == [True, True, False, True]
+
+
+# --- against llama.cpp ---------------------------------------------------------------------------
+
+IDS = list(range(10, 500, 23))
+
+
+def _reference_ratios(path: Path) -> np.ndarray:
+    """Per position: max |ours (reference) - llama.cpp| over the vocabulary, over the head's
+    rounding bound (peer_logits.head_bound, with our side's int8 step: the reference rounds
+    less than that)."""
+    from adaspark.model.gguf import read_gguf
+
+    ref = Transformer.from_gguf(path, precision="reference", max_context=128)
+    logits, h = pl.all_logits(ref, IDS, final_norm=True)
+    worker = pl.LogitsWorker(pl.vs.default_venv(), path, 1, 128)
+    try:
+        theirs = worker.logits(IDS)
+    finally:
+        worker.close()
+    f = read_gguf(path)
+    head = f.tensors.get("output.weight") or f.tensors["token_embd.weight"]
+    bound = pl.head_bound(h, np.abs(head.dequantize()), head.qtype.name, "native", logits)
+    return np.abs(logits - theirs).max(-1) / bound.max(-1)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+def test_reference_forward_matches_llamacpp(written, qtype):
+    """Measured max ratio 0.56 (Q8_0), 0.26 (Q4_K); the taps read newest-first (a wrong conv
+    order) measured ~30."""
+    ratios = _reference_ratios(written(qtype))
+    assert ratios.max() <= 1, ratios
+
+
+# --- the conv state under tree verify ------------------------------------------------------------
+
+# a depth-first tree with siblings (rows 1 and 4 under the root; 2, 6 under 1), so its depths
+# come out of order: a row's conv must read its own ancestors, not the rows before it
+PARENTS = [-1, 0, 1, 2, 0, 4, 1]
+TOKENS = [41, 7, 300, 12, 99, 250, 3]
+
+
+def tree(parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(depths, ancestor mask, itself included) of a parent list."""
+    n = len(parents)
+    mask = np.eye(n, dtype=bool)
+    depths = np.zeros(n, dtype=np.int64)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+            depths[i] = depths[p] + 1
+    return depths, mask
+
+
+def path_to(row: int) -> list[int]:
+    out = []
+    while row >= 0:
+        out.append(row)
+        row = PARENTS[row]
+    return out[::-1]
+
+
+def chain(model: Transformer, tokens: list[int]):
+    n = len(tokens)
+    return model.verify(tokens, np.arange(n), np.tri(n, dtype=bool), return_logits=True)
+
+
+@pytest.fixture(scope="module")
+def reference(written):
+    return Transformer.from_gguf(written(Q.Q4_K), precision="reference", max_context=64)
+
+
+def check_tree_rows_equal_their_chains(model: Transformer, prompt: list[int]) -> None:
+    depths, mask = tree(PARENTS)
+    model.reset()
+    model.prefill(prompt)
+    out = model.verify(TOKENS, depths, mask, return_logits=True)
+    for row in range(len(PARENTS)):
+        model.truncate(len(prompt))
+        alone = chain(model, [TOKENS[r] for r in path_to(row)])
+        assert torch.equal(out.logits[row], alone.logits[-1]), row
+        assert int(out.argmax[row]) == int(alone.argmax[-1])
+
+
+@pytest.mark.parametrize("prompt", [[5], [5, 260, 17], list(range(30, 45))],
+                         ids=["one-token", "three", "fifteen"])
+def test_tree_rows_equal_the_chain_decode_exactly(reference, prompt):
+    """Each row of a tree with siblings and out-of-order depths, bit for bit the last row of
+    its own path verified as a chain: its conv read its ancestors (and, within L-1 of the root,
+    the committed slots; before the first token, zeros)."""
+    check_tree_rows_equal_their_chains(reference, prompt)
+
+
+def test_the_tree_check_sees_a_conv_that_reads_the_rows_before_it(reference, monkeypatch):
+    """Conv sources taken by row order (what a plain causal conv over the batch would read):
+    the rows whose path is not the rows before them leave their chains."""
+    from adaspark.model import transformer
+
+    def by_row_order(depths, ancestors, start, kernel):
+        from adaspark.model.shortconv import chain_sources
+
+        return chain_sources(torch.arange(len(depths)) + start, kernel)
+
+    monkeypatch.setattr(transformer, "tree_sources", by_row_order)
+    with pytest.raises(AssertionError):
+        check_tree_rows_equal_their_chains(reference, [5, 260, 17])
+
+
+def test_commit_keeps_the_accepted_paths_conv_state(reference):
+    """After a tree round accepting a path that is not the first rows (0, 4, 5), the next rows
+    equal those after the path verified as a chain and committed: the conv state is the last
+    L-1 B*x of the accepted path."""
+    prompt, after = [5, 260, 17, 88], [61, 62, 63]
+    depths, mask = tree(PARENTS)
+    reference.reset()
+    reference.prefill(prompt)
+    reference.verify(TOKENS, depths, mask)
+    reference.commit([0, 4, 5])
+    got = chain(reference, after)
+    reference.reset()
+    reference.prefill(prompt)
+    chain(reference, [TOKENS[r] for r in (0, 4, 5)])
+    reference.commit([0, 1, 2])
+    want = chain(reference, after)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_a_rejected_round_leaves_the_conv_state(reference):
+    """Rows verified and not committed (a round that accepts nothing, or one that failed)
+    leave the committed state as it was: the next verify equals one on a fresh prefill."""
+    prompt = [5, 260, 17, 88]
+    depths, mask = tree(PARENTS)
+    reference.reset()
+    reference.prefill(prompt)
+    reference.verify(TOKENS, depths, mask)  # nothing committed
+    got = chain(reference, [70, 71])
+    reference.reset()
+    reference.prefill(prompt)
+    assert torch.equal(got.logits, chain(reference, [70, 71]).logits)
+
+
+def test_truncate_keeps_the_conv_state_of_the_kept_prefix(reference):
+    """Prefix reuse (`keep`): truncated to k tokens, the cache's conv state is the first k
+    tokens' own, whatever followed them."""
+    reference.reset()
+    reference.prefill([5, 260, 17, 88, 9, 10, 11])
+    reference.truncate(4)
+    got = chain(reference, [70, 71, 72])
+    reference.reset()
+    reference.prefill([5, 260, 17, 88])
+    assert torch.equal(got.logits, chain(reference, [70, 71, 72]).logits)
+
+
+def test_a_prefill_across_chunks_equals_one_chunk(written, monkeypatch):
+    """Chunks of 3 rows: each chunk's first rows read the previous chunk's B*x from the
+    committed slots, so every row equals the single-chunk prefill's (argmax and taps)."""
+    from adaspark.model import transformer
+
+    model = Transformer.from_gguf(written(Q.Q4_K), precision="reference", max_context=64)
+    prompt = list(range(40, 51))
+    whole = model.prefill(prompt, [0, 3], return_logits=True)
+    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
+    model.reset()
+    chunked = model.prefill(prompt, [0, 3], return_logits=True)
+    for layer in (0, 3):
+        torch.testing.assert_close(chunked.hiddens[layer], whole.hiddens[layer],
+                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-4, atol=1e-4)

@@ -275,3 +275,40 @@ def test_a_prefill_across_chunks_equals_one_chunk(written, monkeypatch):
         torch.testing.assert_close(chunked.hiddens[layer], whole.hiddens[layer],
                                    rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-4, atol=1e-4)
+
+
+# --- every arm emits ar's tokens ------------------------------------------------------------------
+
+def arm_replies(model: Transformer, path: Path, arm: str | None, store: Path) -> list:
+    """Greedy replies of `arm` (None: the default arm, which for a model without a drafter is
+    ngram) to prompts whose replies repeat (so the n-gram arm proposes trees), a second turn
+    reusing the first's cache (keep), and a one-token prompt."""
+    from adaspark.engine import Engine
+    from adaspark.model.tokenizer import Tokenizer
+    from adaspark.options import ModelOptions
+    from adaspark.speculative import load_speculator
+
+    tok = Tokenizer.from_gguf(path)
+    options = ModelOptions(arm=arm, store=store)
+    spec = None if arm == "ar" else load_speculator(model, path, tok.stop_ids, options)
+    engine = Engine(model, tok, path, spec)
+    engine.reset()
+    prompts = [[5, 260, 17, 88, 5, 260, 17], [5, 260, 17, 88, 5, 260, 17, 88, 9], [300]]
+    out, accepted = [], 0
+    for prompt in prompts:  # the second extends the first: its prefix is reused
+        gen = engine.generate_ids(prompt, max_tokens=120)
+        out.append((gen.token_ids, gen.finish_reason))
+        accepted += gen.timings.accepted_tokens
+    return out, spec, accepted
+
+
+@pytest.mark.parametrize("arm", ["ngram", None], ids=["ngram", "default"])
+def test_every_arm_emits_the_ar_tokens(written, tmp_path, arm):
+    """The default arm of a model without a drafter is ngram (speculative.NO_DRAFTER_ARM): its
+    trees go through verify and commit like every drafting arm's."""
+    path = written(Q.Q4_K)
+    model = Transformer.from_gguf(path, precision="reference", max_context=256)
+    want, _, _ = arm_replies(model, path, "ar", tmp_path)
+    got, spec, accepted = arm_replies(model, path, arm, tmp_path)
+    assert got == want
+    assert spec.arm == "ngram" and accepted > 0  # trees were verified and paths taken

@@ -200,9 +200,12 @@ def test_tree_rows_equal_the_chain_decode_exactly(reference, prompt):
     check_tree_rows_equal_their_chains(reference, prompt)
 
 
-def test_the_tree_check_sees_a_conv_that_reads_the_rows_before_it(reference, monkeypatch):
+@pytest.mark.parametrize("forward", ["reference", "native_model"])
+def test_the_tree_check_sees_a_conv_that_reads_the_rows_before_it(request, forward,
+                                                                   monkeypatch):
     """Conv sources taken by row order (what a plain causal conv over the batch would read):
     the rows whose path is not the rows before them leave their chains."""
+    reference = request.getfixturevalue(forward)
     from adaspark.model import transformer
 
     def by_row_order(depths, ancestors, start, kernel):
@@ -312,3 +315,89 @@ def test_every_arm_emits_the_ar_tokens(written, tmp_path, arm):
     got, spec, accepted = arm_replies(model, path, arm, tmp_path)
     assert got == want
     assert spec.arm == "ngram" and accepted > 0  # trees were verified and paths taken
+
+
+# --- the native forward ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def native_model(written):
+    model = Transformer.from_gguf(written(Q.Q4_K), precision="fast", max_context=256,
+                                  calibrate=False)
+    if model.native is None:
+        pytest.skip(f"no native forward here: {model.native_note}")
+    return model
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+def test_native_forward_matches_llamacpp(written, qtype):
+    """Every position within the head's rounding bound (measured max ratio 0.46 for Q8_0, 0.27
+    for Q4_K), argmaxes parting only at near ties, greedy replies equal or parting at one."""
+    path = written(qtype)
+    if Transformer.from_gguf(path, max_context=32, calibrate=False).native is None:
+        pytest.skip("no native forward here")
+    r = pl.run(pl.parse_args(["--model", str(path), "--prompts", "1", "--max-tokens", "16",
+                              "--threads", "1", "--n-ctx", "256", "--max-chars", "400",
+                              "--conversations", "/nonexistent"]))
+    s = r["summary"]
+    assert s["max_ratio"] <= 1 and s["argmax_differences_not_near_ties"] == 0, s
+    g = r["prompts"][0]["greedy"]
+    assert g["first_difference"] is None or g["first_difference"]["near_tie"], g
+
+
+@pytest.mark.parametrize("prompt", [[5], list(range(30, 45))], ids=["one-token", "fifteen"])
+def test_native_tree_rows_equal_the_chain_decode_exactly(native_model, prompt):
+    check_tree_rows_equal_their_chains(native_model, prompt)
+
+
+def test_native_commit_keeps_the_accepted_paths_conv_state(native_model):
+    test_commit_keeps_the_accepted_paths_conv_state(native_model)
+
+
+def test_native_chunked_prefill_equals_one_chunk(native_model, monkeypatch):
+    """The first rows of each chunk read the previous chunk's B*x from the cache: bit for bit
+    the rows of one whole prefill."""
+    from adaspark.model import transformer
+
+    prompt = list(range(40, 51))
+    native_model.reset()
+    whole = native_model.prefill(prompt, [0, 3], return_logits=True)
+    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
+    native_model.reset()
+    chunked = native_model.prefill(prompt, [0, 3], return_logits=True)
+    for layer in (0, 3):
+        assert torch.equal(chunked.hiddens[layer], whole.hiddens[layer])
+    assert torch.equal(chunked.logits, whole.logits)
+
+
+def test_native_batched_sequences_equal_each_alone(native_model):
+    """verify_many / prefill_many of two sequences in one native call: each row, and each
+    cache's B*x slots, as that sequence's own call gives them."""
+    depths, mask = tree(PARENTS)
+    prompts = [[5, 260, 17, 88], [300, 301]]
+    caches = [native_model.new_cache() for _ in prompts]
+    outs = native_model.prefill_many(caches, prompts, return_logits=True)
+    both = native_model.verify_many(caches, [(TOKENS, depths, mask), (TOKENS[:3], depths[:3],
+                                                                       mask[:3, :3])],
+                                    return_logits=True)
+    for s, prompt in enumerate(prompts):
+        alone = native_model.new_cache()
+        with native_model.using(alone):
+            first = native_model.prefill(prompt, return_logits=True)
+            rows = TOKENS if s == 0 else TOKENS[:3]
+            mine = native_model.verify(rows, depths[:len(rows)], mask[:len(rows), :len(rows)],
+                                       return_logits=True)
+        assert torch.equal(outs[s].logits, first.logits)
+        at = 0 if s == 0 else len(TOKENS)
+        assert torch.equal(both.logits[at:at + len(rows)], mine.logits)
+        end = len(prompt) + len(rows)
+        assert torch.equal(caches[s].conv[:, :, :end], alone.conv[:, :, :end])
+
+
+@pytest.mark.parametrize("arm", ["ngram", None], ids=["ngram", "default"])
+def test_every_arm_emits_the_ar_tokens_on_the_native_forward(native_model, written, tmp_path,
+                                                              arm):
+    path = written(Q.Q4_K)
+    want, _, _ = arm_replies(native_model, path, "ar", tmp_path)
+    got, spec, accepted = arm_replies(native_model, path, arm, tmp_path)
+    assert got == want and accepted > 0

@@ -159,6 +159,8 @@ def with_fast_rounding(model: Transformer, native: bool, integer: bool) -> Trans
                 block.conv.__dict__["_" + name] = FastRounding(getattr(block.conv, name),
                                                                native, integer)
     model.output = FastRounding(model.output, native, integer)
+    if native:  # the native forward keeps the conv layers' B*x in fp16, as its K/V
+        model.cache.conv = model.cache.conv.half()
     return model
 
 

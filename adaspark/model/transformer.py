@@ -377,13 +377,12 @@ class Transformer:
         if self.exact or self.device.type != "cpu":
             return None, ""
         module, why = native.load()
+        mixers = {False: ("attn_q", "attn_k", "attn_v", "attn_output"),
+                  True: ("shortconv.in_proj", "shortconv.out_proj")}
         names = [f"blk.{i}.{part}.weight" for i in range(c.n_layers)
-                 for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                              "ffn_down")] + [head]
+                 for part in (*mixers[c.is_conv(i)], "ffn_gate", "ffn_up", "ffn_down")] + [head]
         if module is None:
             return None, why
-        if c.conv_layers:
-            return None, "the native forward does not run short-convolution layers"
         why = native.unpackable([w.raw(n) for n in names])
         if why:
             return None, why
@@ -401,6 +400,16 @@ class Transformer:
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
+            if layer.conv is not None:  # in_proj and out_proj where q|k|v and o would be
+                model.add_layer(
+                    layer.attn_norm, layer.ffn_norm, empty, empty, empty,
+                    native.pack(module, [w.raw(p + "shortconv.in_proj.weight")]),
+                    native.pack(module, [w.raw(p + "shortconv.out_proj.weight")]),
+                    native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
+                    native.pack(module, [w.raw(p + "ffn_down.weight")]),
+                    **self._native_parts(layer), conv_taps=layer.conv.taps)
+                w.f.release_pages(n for n in names if n.startswith(p))
+                continue
             bias = layer.qkv_bias  # rounded to bf16 as the torch path's Linear keeps it
             model.add_layer(
                 layer.attn_norm, layer.ffn_norm,
@@ -623,16 +632,18 @@ class Transformer:
         start, n = self.cache.length, len(depths)
         self.cache.check_room(n)
         kernel = kernel or self.kernels.choose(n)
+        sources = None
+        if self.config.conv_layers:  # each row's conv reads its own path's B*x
+            sources = tree_sources(depths, ancestors, start, self.config.conv_kernel)
         if kernel.startswith("native"):
             taps = sorted(set(tap_layers))
             x, hiddens = self.native.forward(
                 self.cache.k, self.cache.v, self._tokens(tokens), start + depths, start,
-                ancestors, taps)
+                ancestors, taps,
+                **({} if sources is None else {"conv": self.cache.conv, "conv_src": sources}))
             return x, {layer: hiddens[i] for i, layer in enumerate(taps)}, kernel
         span = start + n
-        mask = tree = sources = None
-        if self.config.conv_layers:  # each row's conv reads its own path's B*x
-            sources = tree_sources(depths, ancestors, start, self.config.conv_kernel)
+        mask = tree = None
         if exact_tree:
             tree = _seen_rows(ancestors)
         elif n > 1 or self.exact:
@@ -745,11 +756,17 @@ class Transformer:
         tokens = [int(t) for r in rows for t in r[0]]
         positions = torch.cat([c.length + torch.as_tensor(np.asarray(r[1]), dtype=torch.long)
                                for c, r in zip(caches, rows, strict=True)])
-        anc = torch.block_diag(*[torch.as_tensor(np.asarray(r[2]), dtype=torch.bool)
-                                 for r in rows])
+        masks = [torch.as_tensor(np.asarray(r[2]), dtype=torch.bool) for r in rows]
+        anc = torch.block_diag(*masks)
+        conv = {}
+        if self.config.conv_layers:  # each sequence's B*x slots; its rows' taps in them
+            conv = {"caches_conv": [c.conv for c in caches], "conv_src": torch.cat([
+                tree_sources(torch.as_tensor(np.asarray(r[1]), dtype=torch.long), m, c.length,
+                             self.config.conv_kernel)
+                for c, r, m in zip(caches, rows, masks, strict=True)])}
         return self.native.forward_batch(
             [c.k for c in caches], [c.v for c in caches], [c.length for c in caches],
-            [len(r[0]) for r in rows], self._tokens(tokens), positions, anc, taps)
+            [len(r[0]) for r in rows], self._tokens(tokens), positions, anc, taps, **conv)
 
     def prefill_many(self, caches: Sequence[KVCache], chunks: Sequence[Sequence[int]], *,
                      tap_layers: Iterable[int] = (), return_logits: bool = False,

@@ -401,3 +401,34 @@ def test_every_arm_emits_the_ar_tokens_on_the_native_forward(native_model, writt
     want, _, _ = arm_replies(native_model, path, "ar", tmp_path)
     got, spec, accepted = arm_replies(native_model, path, arm, tmp_path)
     assert got == want and accepted > 0
+
+
+def test_batched_causal_paths_carry_each_sequences_conv_state(reference):
+    """The drafter-data paths (right-padded sequences in one batch, one row per sequence at
+    slots of their own): each sequence's greedy tokens and taps are its own alone."""
+    prompts = [[5, 260, 17, 88, 9], [300, 301]]
+    both = reference.generate_greedy_batch(prompts, 6, set())
+    assert both == [reference.generate_greedy_batch([p], 6, set())[0] for p in prompts]
+    reference.reset()
+    taps = reference.hidden_states_batch(prompts, [1, 3])
+    for prompt, got in zip(prompts, taps, strict=True):
+        reference.reset()
+        want = reference.prefill(prompt, [1, 3]).hiddens
+        for layer in (1, 3):
+            torch.testing.assert_close(got[layer], want[layer], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cache_holds_kv_for_attention_layers_and_bx_for_conv_layers(native_model):
+    """K/V only for the attention layer, fp16 B*x slots for the three conv layers; a server
+    slot's size (worker.slot_bytes) counts both."""
+    from types import SimpleNamespace
+
+    from adaspark.server.worker import slot_bytes
+
+    cache, c = native_model.cache, native_model.config
+    assert cache.k.shape == (1, 1, c.n_kv_heads, cache.capacity, c.head_dim)
+    assert cache.conv.shape == (3, 1, cache.capacity, c.dim)
+    assert cache.conv.dtype == torch.float16
+    kv = 2 * cache.k.numel() * 2
+    engine = SimpleNamespace(target=native_model)
+    assert slot_bytes(engine) == kv + cache.conv.numel() * 2

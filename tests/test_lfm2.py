@@ -432,3 +432,29 @@ def test_the_cache_holds_kv_for_attention_layers_and_bx_for_conv_layers(native_m
     kv = 2 * cache.k.numel() * 2
     engine = SimpleNamespace(target=native_model)
     assert slot_bytes(engine) == kv + cache.conv.numel() * 2
+
+
+def test_requests_batched_in_the_server_loop_equal_each_alone(native_model, written):
+    """Continuous batching (batch.py): requests joining at different steps, each over its own
+    slot (its own B*x), a second turn reusing a slot's prefix: every reply as alone."""
+    from test_batch import alone, together
+
+    from adaspark.engine import Engine
+    from adaspark.model.tokenizer import Tokenizer
+
+    path = written(Q.Q4_K)
+    engine = Engine(native_model, Tokenizer.from_gguf(path), path)
+    engine.reset()
+    prompts = [[5, 260, 17, 88], [300, 301, 7], [9]]
+    solo = [alone(engine, p, max_tokens=n).token_ids for p, n in zip(prompts, (20, 8, 14),
+                                                                       strict=True)]
+    seqs, widths = together(engine, [{"prompt": p, "max_tokens": n} for p, n
+                                     in zip(prompts, (20, 8, 14), strict=True)], joins=[0, 2, 4])
+    assert [engine.result(seq).token_ids for seq in seqs] == solo
+    assert max(widths) == 3
+    # the next turn of the first conversation reuses its slot's prefix (and conv state)
+    turn = prompts[0] + solo[0] + [61, 62]
+    again, _ = together(engine, [{"prompt": turn, "max_tokens": 10}])
+    assert engine.result(again[0]).timings.reused_tokens > 0
+    engine.reset()
+    assert engine.result(again[0]).token_ids == alone(engine, turn, max_tokens=10).token_ids

@@ -43,6 +43,8 @@ def tree_sources(depths: torch.Tensor, ancestors: torch.Tensor, start: int,
     committed slot start + d - (L-1) + k where that depth is below the tree's root."""
     depths = depths.to(ancestors.device)
     n = depths.shape[0]
+    if n == 1 and int(depths[0]) == 0:  # a decoding step: the committed slots before it
+        return chain_sources(torch.tensor([start], device=ancestors.device), kernel)
     out = torch.empty(n, kernel, dtype=torch.long, device=ancestors.device)
     for k in range(kernel):
         want = depths - (kernel - 1) + k  # [n]

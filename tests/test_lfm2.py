@@ -458,3 +458,13 @@ def test_requests_batched_in_the_server_loop_equal_each_alone(native_model, writ
     assert engine.result(again[0]).timings.reused_tokens > 0
     engine.reset()
     assert engine.result(again[0]).token_ids == alone(engine, turn, max_tokens=10).token_ids
+
+
+def test_a_tree_whose_depths_skip_an_ancestor_is_refused(reference):
+    """A row at depth 2 whose mask names no depth-1 ancestor: its conv would read a slot no
+    row wrote, so the verify is refused, naming the disagreement."""
+    reference.reset()
+    reference.prefill([5, 260, 17])
+    mask = np.array([[True, False], [True, True]])
+    with pytest.raises(ValueError, match="ancestor mask and depths disagree"):
+        reference.verify([7, 8], [0, 2], mask)

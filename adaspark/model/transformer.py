@@ -1,5 +1,7 @@
-"""The target model: llama / qwen2 / qwen3 / gemma3 blocks over a static KV cache, verifying
-trees.
+"""The target model: llama / qwen2 / qwen3 / gemma3 / lfm2 blocks over a static KV cache,
+verifying trees. LFM2's short-convolution layers (shortconv.py) keep each slot's B*x in the
+cache beside the attention layers' K/V, and a tree row's conv reads its own path's
+(docs/hybrid-targets.md).
 
 Read it top to bottom: `Block` is one decoder layer, `Transformer._forward` runs the rows of a
 call through all layers, and the public verbs are prefill / verify / commit (plus two batched

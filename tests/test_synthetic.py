@@ -156,8 +156,8 @@ def with_fast_rounding(model: Transformer, native: bool, integer: bool) -> Trans
                                                 q_cols if name == "qkv" else None)
         if block.conv:  # a conv layer's projections (ShortConv keeps them likewise)
             for name in ("in_proj", "out_proj"):
-                block.conv.__dict__["_" + name] = FastRounding(getattr(block.conv, name),
-                                                               native, integer)
+                block.conv.__dict__[name] = FastRounding(getattr(block.conv, name), native,
+                                                         integer)
     model.output = FastRounding(model.output, native, integer)
     if native:  # the native forward keeps the conv layers' B*x in fp16, as its K/V
         model.cache.conv = model.cache.conv.half()

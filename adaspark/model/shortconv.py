@@ -21,6 +21,8 @@ path (prefill, one-row step, chain, tree, the batched drafter-data paths) is tha
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from adaspark.model.kernels import Linear
@@ -68,20 +70,13 @@ class ShortConv:
         self._tensors, self._precision, self._device = tensors, precision, device
         self.taps = taps.float().contiguous()  # [dim, L]
 
-    @property
+    @cached_property
     def in_proj(self) -> Linear:
-        return self._linear("in_proj")
+        return Linear([self._tensors["in_proj"]], self._precision, self._device)
 
-    @property
+    @cached_property
     def out_proj(self) -> Linear:
-        return self._linear("out_proj")
-
-    def _linear(self, part: str) -> Linear:
-        cached = self.__dict__.get("_" + part)
-        if cached is None:
-            cached = Linear([self._tensors[part]], self._precision, self._device)
-            self.__dict__["_" + part] = cached
-        return cached
+        return Linear([self._tensors["out_proj"]], self._precision, self._device)
 
     def linears(self) -> list[Linear]:
         return [self.in_proj, self.out_proj]

@@ -329,10 +329,13 @@ def native_model(written):
 
 
 @needs_llamacpp
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q4_0], ids=lambda t: t.name)
 def test_native_forward_matches_llamacpp(written, qtype):
     """Every position within the head's rounding bound (measured max ratio 0.46 for Q8_0, 0.27
-    for Q4_K), argmaxes parting only at near ties, greedy replies equal or parting at one."""
+    for Q4_K), argmaxes parting only at near ties, greedy replies equal or parting at one.
+    (Q6_K, whose weights round least, sits at the bound itself: 0.98 here, one position of 93
+    at 1.11 on the chat prompt, our float32 reference 0.84: the rounding below the head, which
+    the bound leaves out, passes through LFM2's products B*x and C*conv.)"""
     path = written(qtype)
     if Transformer.from_gguf(path, max_context=32, calibrate=False).native is None:
         pytest.skip("no native forward here")

@@ -41,7 +41,7 @@ def written(tmp_path_factory, tokenizer_meta):
 
     def get(arch: str, qtype: Q):
         if (arch, qtype) not in cache:
-            recipe = syn.Recipe(arch, TINY, qtype, seed=3)
+            recipe = syn.Recipe(arch, syn.shapes_of(arch)["tiny"], qtype, seed=3)
             cache[arch, qtype] = syn.write_model(root / f"{arch}-{qtype.name}.gguf", recipe,
                                                  tokenizer_meta)
         return cache[arch, qtype]
@@ -55,16 +55,22 @@ ARCH_TYPES = [(a, t) for a in syn.ARCHITECTURES for t in syn.TYPES]
 @pytest.mark.parametrize(("arch", "qtype"), ARCH_TYPES, ids=lambda x: getattr(x, "name", x))
 def test_every_arch_and_type_loads_with_its_shapes(written, arch, qtype):
     f = read_gguf(written(arch, qtype))
-    specs = syn.tensor_specs(syn.ARCHITECTURES[arch], TINY)
+    tiny = syn.shapes_of(arch)["tiny"]
+    specs = syn.tensor_specs(syn.ARCHITECTURES[arch], tiny)
     assert f.architecture == arch and set(f.tensors) == {s.name for s in specs}
     for s in specs:
         t = f.tensors[s.name]
         assert t.shape == (s.shape if len(s.shape) == 2 else (s.shape[0],))
-        assert t.qtype == (qtype if len(s.shape) == 2 else Q.F32), s.name
+        conv_taps = s.name.endswith("shortconv.conv.weight")  # F32, as llama.cpp keeps them
+        assert t.qtype == (qtype if len(s.shape) == 2 and not conv_taps else Q.F32), s.name
     c = ModelConfig.from_metadata(f.metadata)
     assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size) == (
-        TINY.n_layers, TINY.dim, TINY.n_heads, TINY.n_kv_heads, TINY.head_dim, TINY.ffn_dim,
-        TINY.vocab_size)
+        tiny.n_layers, tiny.dim, tiny.n_heads, tiny.n_kv_heads, tiny.head_dim, tiny.ffn_dim,
+        tiny.vocab_size)
+    attention = tuple(range(tiny.n_layers)) if tiny.attention_layers is None else \
+        tiny.attention_layers
+    assert c.attention_layers == attention
+    assert c.conv_kernel == (tiny.conv_kernel if arch == "lfm2" else 0)
     assert ("blk.0.attn_q.bias" in f.tensors) == (arch == "qwen2")
     assert ("blk.0.attn_q_norm.weight" in f.tensors) == (arch == "qwen3")
 
@@ -145,10 +151,16 @@ def with_fast_rounding(model: Transformer, native: bool, integer: bool) -> Trans
     """The reference model, its every projection rounding as the fast forward's does."""
     q_cols = model.config.n_heads * model.config.head_dim
     for block in model.layers:  # the projections are cached properties: instance attributes
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("gate_up", "down") if block.conv else ("qkv", "o", "gate_up", "down"):
             block.__dict__[name] = FastRounding(getattr(block, name), native, integer,
                                                 q_cols if name == "qkv" else None)
+        if block.conv:  # a conv layer's projections (ShortConv keeps them likewise)
+            for name in ("in_proj", "out_proj"):
+                block.conv.__dict__[name] = FastRounding(getattr(block.conv, name), native,
+                                                         integer)
     model.output = FastRounding(model.output, native, integer)
+    if native:  # the native forward keeps the conv layers' B*x in fp16, as its K/V
+        model.cache.conv = model.cache.conv.half()
     return model
 
 

@@ -4,6 +4,8 @@ A verify writes its n rows' K/V at slots length .. length+n-1 without advancing 
 commit gathers the accepted rows into slots length .. length+len(path)-1 and advances it.
 Sliding-window layers (Gemma 3's local ones) keep every slot as well: a committed slot's index
 is its position, and the forward masks by position, so commit and truncate need nothing more.
+Short-convolution layers (LFM2's) keep each slot's B*x in `conv` the same way (shortconv.py):
+their conv state is the last L-1 committed slots, so commit, truncate and reset carry it too.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", batch: int = 1):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", batch: int = 1,
+                 conv_layers: int = 0, conv_dim: int = 0):
+        """n_layers: the attention layers (K/V); conv_layers: the short-convolution layers,
+        whose B*x rows of conv_dim values go to `conv` [conv_layers, batch, capacity, dim]."""
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
         # zeros, not empty: masked-out slots still enter the reference attention as 0 * value
         self.k = lazy_zeros(shape, dtype, device)
         self.v = lazy_zeros(shape, dtype, device)
+        self.conv = lazy_zeros((conv_layers, batch, capacity, conv_dim), dtype, device)
         self.capacity = capacity
         self.length = 0  # committed tokens (single-sequence use)
 
@@ -57,7 +63,13 @@ class KVCache:
             dst = slice(self.length, self.length + len(rows))
             self.k[:, :, :, dst] = self.k.index_select(3, src)
             self.v[:, :, :, dst] = self.v.index_select(3, src)
+            self.conv[:, :, dst] = self.conv.index_select(2, src)
         self.length += len(rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole context's slots (K, V and the conv layers' B*x)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -24,6 +24,10 @@ class ArchTraits:
     embed_scale: bool = False  # input embeddings times sqrt(dim)
     global_every: int = 0  # sliding-window attention except on every n-th layer (0: no window)
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers
+    # layers whose head_count_kv (a per-layer array) is 0 are gated short convolutions
+    # (shortconv.py: LFM2's), their window length `shortconv.l_cache`
+    shortconv: bool = False
+    final_norm: str = "output_norm.weight"  # the final RMSNorm's tensor
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -35,6 +39,10 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "gemma3": ArchTraits(pair_rope_rows=True, qk_norm=True, post_norms=True,
                          ffn_act="gelu_tanh", embed_scale=True, global_every=6,
                          local_rope_theta=10000.0),
+    # llama.cpp's lfm2 graph: conv layers where head_count_kv[i] == 0, attention layers with
+    # QK-norm and NeoX RoPE, the final norm stored as token_embd_norm
+    "lfm2": ArchTraits(pair_rope_rows=True, qk_norm=True, shortconv=True,
+                       final_norm="token_embd_norm.weight"),
 }
 
 
@@ -58,6 +66,15 @@ class ModelConfig:
     windows: tuple[int, ...] = ()
     attn_scale: float = 0.0  # scores = q.k * attn_scale
     rope_factor: float = 1.0  # global layers' linear RoPE scaling: positions / factor
+    conv_layers: tuple[int, ...] = ()  # the short-convolution layers (traits.shortconv)
+    conv_kernel: int = 0  # their window: each reads the last conv_kernel rows' B*x
+
+    def is_conv(self, layer: int) -> bool:
+        return layer in self.conv_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if i not in self.conv_layers)
 
     @property
     def sliding(self) -> bool:
@@ -89,9 +106,10 @@ class ModelConfig:
 
         dim = int(get("embedding_length"))
         n_heads = int(get("attention.head_count"))
-        n_kv = int(get("attention.head_count_kv", n_heads))
-        head_dim = int(get("attention.key_length", dim // n_heads))
         n_layers = int(get("block_count"))
+        n_kv, conv_layers, conv_kernel = _kv_heads(traits, n_layers,
+                                                   get("attention.head_count_kv", n_heads), get)
+        head_dim = int(get("attention.key_length", dim // n_heads))
         vocab = meta.get(f"{arch}.vocab_size")
         if vocab is None:
             tokens = meta.get("tokenizer.ggml.tokens")
@@ -113,14 +131,46 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             attn_bias=traits.attn_bias,
             traits=traits,
-            windows=_windows(traits, n_layers, get),
+            windows=_windows(traits, n_layers, get, meta.get(f"{arch}.attention.sliding_window"),
+                             conv_layers),
             attn_scale=_attn_scale(arch, n_layers, dim, n_heads, head_dim),
             rope_factor=_rope_factor(meta, arch),
+            conv_layers=conv_layers,
+            conv_kernel=conv_kernel,
         )
 
 
-def _windows(traits: ArchTraits, n_layers: int, get) -> tuple[int, ...]:
-    """llama.cpp's set_swa_pattern(n): every n-th layer (the last of each n) is global."""
+def _kv_heads(traits: ArchTraits, n_layers: int, value: Any, get,
+              ) -> tuple[int, tuple[int, ...], int]:
+    """(KV heads of the attention layers, the conv layers, the conv window) from head_count_kv:
+    one count, or (shortconv architectures) one per layer with 0 marking a conv layer."""
+    counts = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    if len(counts) == 1:
+        counts *= n_layers
+    if len(counts) != n_layers:
+        raise UserError(f"head_count_kv lists {len(counts)} layers, the model has {n_layers}")
+    conv = tuple(i for i, c in enumerate(counts) if c == 0)
+    attn = {c for c in counts if c}
+    if conv and not traits.shortconv:
+        raise UserError("head_count_kv is 0 on some layers of an architecture without "
+                        "short-convolution layers")
+    if len(attn) > 1:
+        raise UserError(f"attention layers with different KV head counts {sorted(attn)} are "
+                        "not supported")
+    kernel = int(get("shortconv.l_cache")) if conv else 0
+    if conv and kernel < 2:
+        raise UserError(f"shortconv.l_cache must be at least 2, not {kernel}")
+    return (attn.pop() if attn else 0), conv, kernel
+
+
+def _windows(traits: ArchTraits, n_layers: int, get, lfm2_window: Any = None,
+             conv_layers: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """llama.cpp's set_swa_pattern(n): every n-th layer (the last of each n) is global. lfm2:
+    with attention.sliding_window > 0, every attention layer is windowed (llama.cpp's
+    is_swa = !is_recr)."""
+    if traits.shortconv:
+        window = int(lfm2_window or 0)
+        return tuple(0 if i in conv_layers else window for i in range(n_layers))
     if not traits.global_every:
         return (0,) * n_layers
     window = int(get("attention.sliding_window"))

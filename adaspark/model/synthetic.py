@@ -27,7 +27,9 @@ makes token 252 + i), cut to the first `vocab` tokens with the merges whose resu
 padded beyond its 49152 tokens with [PADn] tokens of type UNUSED (what convert_hf_to_gguf does
 for Qwen's padded vocabularies); its chat template comes along, so Engine.load and chat work.
 
-Architectures: llama, qwen2 (q/k/v biases), qwen3 (per-head q/k norms). Another is one more
+Architectures: llama, qwen2 (q/k/v biases), qwen3 (per-head q/k norms), lfm2 (LFM2's short
+convolution layers beside a few attention layers: shapes of their own, LFM2_SHAPES; the conv
+taps stay F32 whatever the type, as llama.cpp's converter keeps them). Another is one more
 ARCHITECTURES entry: its per-layer vectors, whether it has biases, and a hook for its own
 metadata keys; gemma3 would add ("post_attention_norm", "post_ffw_norm") to layer_norms, the
 q/k norms, and its sliding-window and embedding-scale keys in `metadata`.
@@ -78,6 +80,8 @@ class Shape:
     rope_theta: float = 1e6
     norm_eps: float = 1e-6
     tied: bool = True  # no output.weight: the head is the embedding
+    attention_layers: tuple[int, ...] | None = None  # lfm2: the layers that attend (None: all)
+    conv_kernel: int = 3  # lfm2: the conv layers' window (shortconv.l_cache)
 
 
 # Qwen3's published configs (config.json of Qwen/Qwen3-0.6B and -1.7B: 28 layers, 16 query
@@ -91,6 +95,17 @@ SHAPES = {
 }
 
 
+# LFM2's: "tiny" conv, conv, attention, conv (both kinds of layer, a conv state crossing an
+# attention layer); "1.2b" LiquidAI/LFM2-1.2B's config.json (16 layers, attention at 2, 5, 8,
+# 10, 12, 14, 32 heads and 8 KV heads of 64, the FFN auto-adjusted to 8192, vocab 65536,
+# rope_theta 1e6, norm_eps 1e-5, L_cache 3, tied embeddings, 128000 positions).
+LFM2_SHAPES = {
+    "tiny": Shape(4, 256, 4, 2, 64, 512, 512, context_length=1024, attention_layers=(2,)),
+    "1.2b": Shape(16, 2048, 32, 8, 64, 8192, 65536, context_length=128000, norm_eps=1e-5,
+                  attention_layers=(2, 5, 8, 10, 12, 14)),
+}
+
+
 @dataclass(frozen=True)
 class Arch:
     name: str
@@ -98,10 +113,32 @@ class Arch:
     qk_norm: bool = False  # RMSNorm per head on q and k (qwen3)
     layer_norms: tuple[str, ...] = ("attn_norm", "ffn_norm")  # per-layer vectors of dim
     metadata: Callable[[GGUFWriter, Shape], None] | None = None  # the arch's own keys
+    shapes: Mapping[str, Shape] | None = None  # its own named shapes (None: SHAPES)
+    final_norm: str = "output_norm"
+    shortconv: bool = False  # layers outside shape.attention_layers are short convolutions
+
+
+def _lfm2_metadata(w: GGUFWriter, s: Shape) -> None:
+    """Per-layer KV heads (0: a conv layer) and the conv window, as convert_hf_to_gguf writes."""
+    attn = _attention_layers(s)
+    w.add_head_count_kv([s.n_kv_heads if i in attn else 0 for i in range(s.n_layers)])
+    w.add_shortconv_l_cache(s.conv_kernel)
 
 
 ARCHITECTURES = {"llama": Arch("llama"), "qwen2": Arch("qwen2", bias=True),
-                 "qwen3": Arch("qwen3", qk_norm=True)}
+                 "qwen3": Arch("qwen3", qk_norm=True),
+                 "lfm2": Arch("lfm2", qk_norm=True, metadata=_lfm2_metadata,
+                              shapes=LFM2_SHAPES, final_norm="token_embd_norm",
+                              shortconv=True)}
+
+
+def _attention_layers(s: Shape) -> tuple[int, ...]:
+    return tuple(range(s.n_layers)) if s.attention_layers is None else s.attention_layers
+
+
+def shapes_of(arch: str) -> Mapping[str, Shape]:
+    """The named shapes an architecture's files come in."""
+    return ARCHITECTURES[arch].shapes or SHAPES
 
 
 @dataclass(frozen=True)
@@ -124,9 +161,19 @@ def tensor_specs(arch: Arch, s: Shape) -> list[TensorSpec]:
 
     embed_std = LOGIT_SCALE * s.dim ** -0.5
     specs = [TensorSpec("token_embd.weight", (s.vocab_size, s.dim), embed_std)]
+    attention = _attention_layers(s)
     for i in range(s.n_layers):
         p = f"blk.{i}."
         specs += [norm(p + n + ".weight", s.dim) for n in arch.layer_norms]
+        if arch.shortconv and i not in attention:  # LFM2's conv layer: B|C|x, taps, out
+            specs += [mat(p + "shortconv.in_proj.weight", 3 * s.dim, s.dim),
+                      TensorSpec(p + "shortconv.conv.weight", (s.dim, s.conv_kernel),
+                                 s.conv_kernel ** -0.5),
+                      mat(p + "shortconv.out_proj.weight", s.dim, s.dim),
+                      mat(p + "ffn_gate.weight", s.ffn_dim, s.dim),
+                      mat(p + "ffn_up.weight", s.ffn_dim, s.dim),
+                      mat(p + "ffn_down.weight", s.dim, s.ffn_dim)]
+            continue
         specs += [mat(p + "attn_q.weight", q, s.dim), mat(p + "attn_k.weight", kv, s.dim),
                   mat(p + "attn_v.weight", kv, s.dim), mat(p + "attn_output.weight", s.dim, q),
                   mat(p + "ffn_gate.weight", s.ffn_dim, s.dim),
@@ -138,7 +185,7 @@ def tensor_specs(arch: Arch, s: Shape) -> list[TensorSpec]:
         if arch.qk_norm:
             specs += [norm(p + "attn_q_norm.weight", s.head_dim),
                       norm(p + "attn_k_norm.weight", s.head_dim)]
-    specs.append(norm("output_norm.weight", s.dim))
+    specs.append(norm(arch.final_norm + ".weight", s.dim))
     if not s.tied:
         specs.append(TensorSpec("output.weight", (s.vocab_size, s.dim), embed_std))
     return specs
@@ -287,7 +334,7 @@ class Recipe:
     seed: int = 0
 
     def type_of(self, spec: TensorSpec) -> Q:
-        if len(spec.shape) == 1:
+        if len(spec.shape) == 1 or spec.name.endswith("shortconv.conv.weight"):
             return Q.F32
         hits = [k for k in self.overrides if k in spec.name]
         return self.overrides[max(hits, key=len)] if hits else self.qtype
@@ -301,7 +348,8 @@ def _add_metadata(w: GGUFWriter, r: Recipe, arch: Arch) -> None:
     w.add_embedding_length(s.dim)
     w.add_feed_forward_length(s.ffn_dim)
     w.add_head_count(s.n_heads)
-    w.add_head_count_kv(s.n_kv_heads)
+    if not arch.shortconv:  # lfm2 writes one count per layer (its metadata hook)
+        w.add_head_count_kv(s.n_kv_heads)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     w.add_rope_dimension_count(s.head_dim)
@@ -413,7 +461,8 @@ def parse_override(text: str) -> tuple[str, Q]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--shape", choices=sorted({*SHAPES, *LFM2_SHAPES}), default="tiny",
+                   help="a named shape of the architecture (lfm2: tiny, 1.2b)")
     p.add_argument("--layers", type=int, help="override the shape's layer count")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
     p.add_argument("--untied", action="store_true", help="write a separate output.weight")
@@ -435,9 +484,16 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         print(requantize(args.requantize, out, args.ftype, venv=args.venv))
         return 0
-    shape = SHAPES[args.shape]
+    shapes = shapes_of(args.arch)
+    if args.shape not in shapes:
+        raise SystemExit(f"--arch {args.arch} comes in shapes {', '.join(shapes)}, "
+                         f"not {args.shape!r}")
+    shape = shapes[args.shape]
     shape = replace(shape, n_layers=args.layers or shape.n_layers,
                     vocab_size=args.vocab or shape.vocab_size, tied=not args.untied)
+    if args.layers and shape.attention_layers is not None:  # those within the layers kept
+        shape = replace(shape, attention_layers=tuple(i for i in shape.attention_layers
+                                                      if i < args.layers))
     recipe = Recipe(args.arch, shape, args.type, dict(args.tensor_type), args.seed)
     out = Path(args.out or default_dir() / f"{args.arch}-{args.shape}-{args.type.name}-"
                                           f"s{args.seed}.gguf")

@@ -1,5 +1,7 @@
-"""The target model: llama / qwen2 / qwen3 / gemma3 blocks over a static KV cache, verifying
-trees.
+"""The target model: llama / qwen2 / qwen3 / gemma3 / lfm2 blocks over a static KV cache,
+verifying trees. LFM2's short-convolution layers (shortconv.py) keep each slot's B*x in the
+cache beside the attention layers' K/V, and a tree row's conv reads its own path's
+(docs/hybrid-targets.md).
 
 Read it top to bottom: `Block` is one decoder layer, `Transformer._forward` runs the rows of a
 call through all layers, and the public verbs are prefill / verify / commit (plus two batched
@@ -51,6 +53,7 @@ from adaspark.model.cache import KVCache
 from adaspark.model.config import ModelConfig
 from adaspark.model.gguf import GGUFFile, GGUFTensor, read_gguf
 from adaspark.model.kernels import KernelTable, Linear, calibrated_table
+from adaspark.model.shortconv import ShortConv, chain_sources, tree_sources
 
 PRECISIONS = ("fast", "reference")
 DEFAULT_MAX_CONTEXT = 8192
@@ -136,6 +139,19 @@ class Block:
         self.act = ACTIVATIONS[c.traits.ffn_act]
         self.attn_norm = w.dense(p + "attn_norm.weight")
         self.ffn_norm = w.dense(p + "ffn_norm.weight")
+        # a short-convolution layer (LFM2) mixes with `conv` instead of attention: its index
+        # among the conv layers (its B*x slots in the cache), else its index among the
+        # attention layers (its K/V)
+        self.conv: ShortConv | None = None
+        if c.is_conv(i):
+            self.cache_index = c.conv_layers.index(i)
+            self.conv = ShortConv({part: w.raw(p + f"shortconv.{part}.weight")
+                                   for part in ("in_proj", "out_proj")}, precision, w.device,
+                                  torch.from_numpy(w.raw(p + "shortconv.conv.weight").dequantize()))
+            self.post_attn_norm = self.post_ffn_norm = None
+            self.qkv_bias = self.q_norm = self.k_norm = None
+            return
+        self.cache_index = c.attention_layers.index(i)
         # Gemma: GGUF stores its norms as 1 + w already (convert_hf_to_gguf adds the 1)
         post = c.traits.post_norms
         self.post_attn_norm = w.dense(p + "post_attention_norm.weight") if post else None
@@ -172,7 +188,8 @@ class Block:
         return self._linear(["ffn_down.weight"], [None])
 
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, self.gate_up, self.down]
+        mixer = self.conv.linears() if self.conv is not None else [self.qkv, self.o]
+        return [*mixer, self.gate_up, self.down]
 
 
 # --- arithmetic that differs by precision --------------------------------------------------------
@@ -243,8 +260,7 @@ def exact_tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torc
     top = tree_scores.amax(-1)
     prefix = k_prefix.shape[2] > 0
     if prefix:
-        prefix_scores = (q.view(b, kvh, group * rows, hd) @ k_prefix.transpose(-1, -2)) * scale
-        prefix_scores = prefix_scores.view(b, kvh, group, rows, -1)
+        prefix_scores = _row_matmul(qg[..., 0, :], k_prefix.transpose(-1, -2)) * scale
         if prefix_ok is not None:  # pad rows see every slot: no NaN
             prefix_ok = F.pad(prefix_ok, (0, 0, 0, rows - n), value=True)
             prefix_scores = prefix_scores.masked_fill(~prefix_ok, -math.inf)
@@ -256,11 +272,18 @@ def exact_tree_attention(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torc
     if prefix:
         prefix_weights = torch.exp(prefix_scores - top[..., None])
         total = prefix_weights.sum(-1)
-        out = (prefix_weights.view(b, kvh, group * rows, -1) @ v_prefix).view_as(out)
+        out = _row_matmul(prefix_weights, v_prefix)
     for d in range(seen.shape[1]):
         total = total + weights[..., d]
         out = out + weights[..., d, None] * values[..., d, :]
     return (out / total[..., None]).view(b, h, rows, hd)[:, :, :n]
+
+
+def _row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, KVH, G, rows, k] @ b [B, KVH, k, m], one GEMM of G rows per row: a GEMM over all
+    rows picks its kernel (and which rows go through a tile's tail) by the row count, so a
+    tree row would round unlike the same row in its chain."""
+    return torch.stack([a[:, :, :, i] @ b for i in range(a.shape[3])], 3)
 
 
 def _seen_rows(ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +316,7 @@ class Transformer:
         self.layers = [Block(w, i, precision, rope_kinds.index(rope_keys[i]))
                        for i in range(c.n_layers)]
         self.embed_scale = math.sqrt(c.dim) if c.traits.embed_scale else 1.0
-        self.norm = w.dense("output_norm.weight")
+        self.norm = w.dense(c.traits.final_norm)
         head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"  # tied
         self.output = Linear([w.raw(head)], precision, self.device)
         self.tied = head == "token_embd.weight"
@@ -308,8 +331,8 @@ class Transformer:
         if self.native is not None:  # packed: the file's pages are read again only if the
             f.release_pages()  # torch path is ever built
         # the native forward keeps K/V in fp16 (half the bytes to read at long contexts)
-        self.cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity,
-                             torch.float32 if self.native is None else torch.float16, self.device)
+        self.cache = self._kv_cache(capacity,
+                                    torch.float32 if self.native is None else torch.float16)
         if self.native is None:  # the torch path serves every forward: its weights now
             for lin in self.linears():
                 lin.build()
@@ -318,6 +341,13 @@ class Transformer:
         self.torch_kernels = self._kernel_table(f, calibrate and self.native is None)
         self.kernels = (KernelTable.only(f"native-{self.native_isa}") if self.native is not None
                         else self.torch_kernels)
+
+    def _kv_cache(self, capacity: int, dtype: torch.dtype, batch: int = 1) -> KVCache:
+        """A cache for this model: K/V of its attention layers, B*x of its conv layers."""
+        c = self.config
+        return KVCache(len(c.attention_layers), c.n_kv_heads, c.head_dim, capacity, dtype,
+                       self.device, batch=batch, conv_layers=len(c.conv_layers),
+                       conv_dim=c.dim if c.conv_layers else 0)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, precision: str = "fast", device: str = "cpu",
@@ -349,9 +379,10 @@ class Transformer:
         if self.exact or self.device.type != "cpu":
             return None, ""
         module, why = native.load()
+        mixers = {False: ("attn_q", "attn_k", "attn_v", "attn_output"),
+                  True: ("shortconv.in_proj", "shortconv.out_proj")}
         names = [f"blk.{i}.{part}.weight" for i in range(c.n_layers)
-                 for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                              "ffn_down")] + [head]
+                 for part in (*mixers[c.is_conv(i)], "ffn_gate", "ffn_up", "ffn_down")] + [head]
         if module is None:
             return None, why
         why = native.unpackable([w.raw(n) for n in names])
@@ -371,6 +402,16 @@ class Transformer:
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
+            if layer.conv is not None:  # in_proj and out_proj where q|k|v and o would be
+                model.add_layer(
+                    layer.attn_norm, layer.ffn_norm, empty, empty, empty,
+                    native.pack(module, [w.raw(p + "shortconv.in_proj.weight")]),
+                    native.pack(module, [w.raw(p + "shortconv.out_proj.weight")]),
+                    native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
+                    native.pack(module, [w.raw(p + "ffn_down.weight")]),
+                    **self._native_parts(layer), conv_taps=layer.conv.taps)
+                w.f.release_pages(n for n in names if n.startswith(p))
+                continue
             bias = layer.qkv_bias  # rounded to bf16 as the torch path's Linear keeps it
             model.add_layer(
                 layer.attn_norm, layer.ffn_norm,
@@ -433,11 +474,14 @@ class Transformer:
     def _forward(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                  slots: int | torch.Tensor, mask: torch.Tensor | None, span: int, kernel: str,
                  tap_layers: Iterable[int], tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 conv_sources: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run rows through every layer. tokens, positions [B, n]; K/V go to slots start..+n-1
         (an int) or, for one row per sequence, to per-sequence slots (a [B] tensor); rows attend
         to cache slots [0, span) where mask [B, 1, n, span] allows (None: all of them).
         Reference verifies pass `tree` (exact_tree_attention's seen, seen_ok) instead.
+        Conv layers read B*x at conv_sources [n, L] (shortconv.tree_sources; None: each row's
+        predecessors by position, shortconv.chain_sources).
         Returns the final-normed rows [B, n, dim] and the tapped residuals."""
         c, exact, act = self.config, self.exact, self.act_dtype
         b, n = tokens.shape
@@ -449,12 +493,18 @@ class Transformer:
         x = self.embed(tokens).view(b * n, c.dim)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        if c.conv_layers and conv_sources is None:
+            conv_sources = chain_sources(positions, c.conv_kernel)
         hiddens = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.norm_eps, exact).to(act)
-            attn = self._attention(i, layer, h, cache, slots, span, rots[layer.rope],
-                                   views[layer.window], kernel, (b, n))
-            out = layer.o(attn, kernel)
+            if layer.conv is not None:
+                out = layer.conv(h, kernel, cache.conv[layer.cache_index], slots, conv_sources,
+                                 act)
+            else:
+                attn = self._attention(layer, h, cache, slots, span, rots[layer.rope],
+                                       views[layer.window], kernel, (b, n))
+                out = layer.o(attn, kernel)
             if layer.post_attn_norm is not None:
                 out = rms_norm(out.float(), layer.post_attn_norm, c.norm_eps, exact)
             x += out  # a bf16 output added into the float32 stream
@@ -494,10 +544,10 @@ class Transformer:
         near = (positions[:, None, :, None] - key_pos[lo:][None, None, None, :]) < window
         return _View(lo, near if mask is None else mask[..., lo:] & near, None, None)
 
-    def _attention(self, i: int, layer: Block, h: torch.Tensor, cache: KVCache,
+    def _attention(self, layer: Block, h: torch.Tensor, cache: KVCache,
                    slots: int | torch.Tensor, span: int, rot, view: _View, kernel: str,
                    shape: tuple[int, int]) -> torch.Tensor:
-        """Layer i's attention over rows h [B*n, dim] (before the output projection): q, k, v;
+        """A layer's attention over rows h [B*n, dim] (before the output projection): q, k, v;
         QK-norm and RoPE; this call's K/V into the cache; attention over the view's slots."""
         c, exact = self.config, self.exact
         b, n = shape
@@ -512,6 +562,7 @@ class Transformer:
         q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
         v = qkv[..., q_width + kv_width:].float().unflatten(-1, (c.n_kv_heads, -1))
         v = v.transpose(1, 2)
+        i = layer.cache_index
         if isinstance(slots, int):
             cache.write(i, slots, k, v)
         else:
@@ -583,11 +634,15 @@ class Transformer:
         start, n = self.cache.length, len(depths)
         self.cache.check_room(n)
         kernel = kernel or self.kernels.choose(n)
+        sources = None
+        if self.config.conv_layers:  # each row's conv reads its own path's B*x
+            sources = tree_sources(depths, ancestors, start, self.config.conv_kernel)
         if kernel.startswith("native"):
             taps = sorted(set(tap_layers))
             x, hiddens = self.native.forward(
                 self.cache.k, self.cache.v, self._tokens(tokens), start + depths, start,
-                ancestors, taps)
+                ancestors, taps,
+                **({} if sources is None else {"conv": self.cache.conv, "conv_src": sources}))
             return x, {layer: hiddens[i] for i, layer in enumerate(taps)}, kernel
         span = start + n
         mask = tree = None
@@ -600,7 +655,7 @@ class Transformer:
             mask = mask[None, None]
         positions = (start + depths).to(self.device)[None]
         x, hiddens = self._forward(self.cache, self._tokens(tokens)[None], positions, start,
-                                   mask, span, kernel, tap_layers, tree)
+                                   mask, span, kernel, tap_layers, tree, sources)
         return x[0], {i: h[0] for i, h in hiddens.items()}, kernel
 
     def prefill(self, tokens: Sequence[int], tap_layers: Iterable[int] = (), *,
@@ -655,9 +710,7 @@ class Transformer:
 
     def new_cache(self) -> KVCache:
         """An empty cache shaped like the model's own: another sequence's slot."""
-        c, own = self.config, self.cache
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, own.capacity, own.k.dtype,
-                       self.device)
+        return self._kv_cache(self.cache.capacity, self.cache.k.dtype)
 
     @contextlib.contextmanager
     def using(self, cache: KVCache) -> Iterator[None]:
@@ -705,11 +758,17 @@ class Transformer:
         tokens = [int(t) for r in rows for t in r[0]]
         positions = torch.cat([c.length + torch.as_tensor(np.asarray(r[1]), dtype=torch.long)
                                for c, r in zip(caches, rows, strict=True)])
-        anc = torch.block_diag(*[torch.as_tensor(np.asarray(r[2]), dtype=torch.bool)
-                                 for r in rows])
+        masks = [torch.as_tensor(np.asarray(r[2]), dtype=torch.bool) for r in rows]
+        anc = torch.block_diag(*masks)
+        conv = {}
+        if self.config.conv_layers:  # each sequence's B*x slots; its rows' taps in them
+            conv = {"caches_conv": [c.conv for c in caches], "conv_src": torch.cat([
+                tree_sources(torch.as_tensor(np.asarray(r[1]), dtype=torch.long), m, c.length,
+                             self.config.conv_kernel)
+                for c, r, m in zip(caches, rows, masks, strict=True)])}
         return self.native.forward_batch(
             [c.k for c in caches], [c.v for c in caches], [c.length for c in caches],
-            [len(r[0]) for r in rows], self._tokens(tokens), positions, anc, taps)
+            [len(r[0]) for r in rows], self._tokens(tokens), positions, anc, taps, **conv)
 
     def prefill_many(self, caches: Sequence[KVCache], chunks: Sequence[Sequence[int]], *,
                      tap_layers: Iterable[int] = (), return_logits: bool = False,
@@ -756,9 +815,7 @@ class Transformer:
     # --- batched causal paths (drafter training data) --------------------------------------------
 
     def _batch_cache(self, batch: int, capacity: int) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, torch.float32,
-                       self.device, batch=batch)
+        return self._kv_cache(capacity, torch.float32, batch)
 
     def _padded(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in seqs)

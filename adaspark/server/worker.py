@@ -124,8 +124,7 @@ def default_parallel(slot_bytes: int, cores: int | None = None,
 
 def slot_bytes(engine: Any) -> int:
     """The bytes of one request's KV slot (the engine's own cache's size)."""
-    cache = engine.target.cache
-    return int(cache.k.numel() * cache.k.element_size() * 2)
+    return int(engine.target.cache.nbytes)
 
 
 def _wanted(job: Job, future: Future) -> bool:

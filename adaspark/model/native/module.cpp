@@ -83,9 +83,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("post_attn_norm") = torch::empty({0}), py::arg("post_ffn_norm") =
            torch::empty({0}), py::arg("act") = "silu", py::arg("window") = 0,
-           py::arg("rope_cos") = torch::empty({0}), py::arg("rope_sin") = torch::empty({0}))
-      .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>())
-      .def("forward_batch", &Model::forward_batch, py::call_guard<py::gil_scoped_release>())
+           py::arg("rope_cos") = torch::empty({0}), py::arg("rope_sin") = torch::empty({0}),
+           py::arg("conv_taps") = torch::empty({0}))
+      .def("forward", &Model::forward, py::arg("cache_k"), py::arg("cache_v"), py::arg("tokens"),
+           py::arg("positions"), py::arg("start"), py::arg("anc"), py::arg("taps"),
+           py::arg("conv") = torch::empty({0}, torch::kHalf),
+           py::arg("conv_src") = torch::empty({0}, torch::kLong),
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_batch", &Model::forward_batch, py::arg("caches_k"), py::arg("caches_v"),
+           py::arg("starts"), py::arg("counts"), py::arg("tokens"), py::arg("positions"),
+           py::arg("anc"), py::arg("taps"),
+           py::arg("caches_conv") = std::vector<torch::Tensor>{},
+           py::arg("conv_src") = torch::empty({0}, torch::kLong),
+           py::call_guard<py::gil_scoped_release>())
       .def("head", &Model::head, py::call_guard<py::gil_scoped_release>());
   py::class_<Drafter>(m, "Drafter", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,

@@ -1,10 +1,12 @@
 // The target: a llama / qwen2 / qwen3 / gemma3 stack over a fp16 K/V cache, and its LM head.
 // An architecture is a choice of parts per layer (Layer: optional norms and bias, the gate's
 // activation, an attention window, a RoPE table) and two model-wide numbers (embed_scale,
-// attn_scale), all handed over by transformer.py's _native_model.
+// attn_scale), all handed over by transformer.py's _native_model. A layer with conv taps is an
+// LFM2 short-convolution layer (shortconv.h): qkv holds its in_proj, o its out_proj.
 #pragma once
 
 #include "kernels.h"
+#include "shortconv.h"
 
 namespace adaspark {
 
@@ -15,6 +17,8 @@ struct Layer {
   Act act;
   int64_t window;            // attention sees positions > p - window; 0: all
   torch::Tensor cos, sin;    // this layer's RoPE table [positions, head_dim / 2]
+  torch::Tensor conv_taps;   // float32 [L, dim] (tap-major): a short-convolution layer; empty: attention
+  int64_t cache_index;       // its index among the layers of its kind (K/V or B*x slots)
 
   BlockParts parts() const {
     auto ptr = [](const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; };
@@ -55,8 +59,16 @@ class Model {
                  torch::Tensor k_norm, torch::Tensor qkv_bias, QWeight qkv, QWeight o,
                  QWeight gate_up, QWeight down, torch::Tensor post_attn_norm,
                  torch::Tensor post_ffn_norm, const std::string& act, int64_t window,
-                 torch::Tensor rope_cos, torch::Tensor rope_sin) {
+                 torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor conv_taps) {
     if (!rope_cos.numel()) rope_cos = cos_, rope_sin = sin_;
+    const bool conv = conv_taps.numel() > 0;
+    TORCH_CHECK(!conv || (conv_taps.dim() == 2 && conv_taps.size(0) == dim_ &&
+                          conv_taps.scalar_type() == torch::kFloat && qkv.n == 3 * dim_ &&
+                          o.k == dim_ && (conv_l_ == 0 || conv_l_ == conv_taps.size(1))),
+                "conv taps must be float32 [dim, L] (one L), in_proj 3 * dim rows, out_proj dim "
+                "inputs");
+    if (conv) conv_l_ = conv_taps.size(1);
+    const int64_t index = conv ? conv_layers_++ : attn_layers_++;
     TORCH_CHECK(rope_cos.sizes() == cos_.sizes() && rope_sin.sizes() == cos_.sizes() &&
                     rope_cos.scalar_type() == torch::kFloat &&
                     rope_sin.scalar_type() == torch::kFloat,
@@ -69,17 +81,21 @@ class Model {
                             k_norm.contiguous(), qkv_bias.contiguous(), std::move(qkv),
                             std::move(o), std::move(gate_up), std::move(down),
                             post_attn_norm.contiguous(), post_ffn_norm.contiguous(),
-                            act_named(act), window, rope_cos.contiguous(), rope_sin.contiguous()});
+                            act_named(act), window, rope_cos.contiguous(), rope_sin.contiguous(),
+                            conv ? conv_taps.t().contiguous() : conv_taps, index});
   }
 
   // Rows at cache slots start..start+n-1, positions `positions`; row r sees the committed
   // slots [0, start) and rows t with anc[r, t]. Writes their K/V into the cache.
   // Returns the final-normed rows [n, dim] and the residual after each tap layer [taps, n, dim].
+  // conv: the B*x cache of the conv layers [conv layers, 1, capacity, dim] fp16 (empty: none);
+  // conv_src [n, L]: the slot each row's conv tap reads (-1: zero; shortconv.py's sources).
   std::vector<torch::Tensor> forward(torch::Tensor cache_k, torch::Tensor cache_v,
                                      torch::Tensor tokens, torch::Tensor positions, int64_t start,
-                                     torch::Tensor anc, std::vector<int64_t> taps) {
+                                     torch::Tensor anc, std::vector<int64_t> taps,
+                                     torch::Tensor conv, torch::Tensor conv_src) {
     return forward_batch({cache_k}, {cache_v}, {start}, {tokens.numel()}, tokens, positions, anc,
-                         taps);
+                         taps, {conv}, conv_src);
   }
 
   // Several sequences' rows in one call: sequence s owns the next counts[s] rows, at slots
@@ -90,7 +106,9 @@ class Model {
                                            std::vector<torch::Tensor> caches_v,
                                            std::vector<int64_t> starts, std::vector<int64_t> counts,
                                            torch::Tensor tokens, torch::Tensor positions,
-                                           torch::Tensor anc, std::vector<int64_t> taps) {
+                                           torch::Tensor anc, std::vector<int64_t> taps,
+                                           std::vector<torch::Tensor> caches_conv,
+                                           torch::Tensor conv_src) {
     const int64_t n = tokens.numel(), L = static_cast<int64_t>(layers_.size());
     const size_t seqs = caches_k.size();
     TORCH_CHECK(seqs >= 1 && caches_v.size() == seqs && starts.size() == seqs &&
@@ -104,11 +122,19 @@ class Model {
     for (size_t s = 0; s < seqs; ++s) {
       const torch::Tensor &ck = caches_k[s], &cv = caches_v[s];
       TORCH_CHECK(ck.is_contiguous() && cv.is_contiguous() && ck.scalar_type() == torch::kHalf &&
-                      ck.dim() == 5 && ck.size(0) == L && ck.size(1) == 1 &&
+                      ck.dim() == 5 && ck.size(0) == attn_layers_ && ck.size(1) == 1 &&
                       ck.size(2) == kv_heads_ && ck.size(4) == hd_ && cv.sizes() == ck.sizes(),
                   "cache must be float16 [layers, 1, kv_heads, capacity, head_dim], contiguous");
       TORCH_CHECK(counts[s] >= 1 && starts[s] >= 0 && starts[s] + counts[s] <= ck.size(3),
                   "rows do not fit the cache");
+      if (conv_layers_) {
+        TORCH_CHECK(caches_conv.size() == seqs, "one conv cache per sequence");
+        const torch::Tensor& cc = caches_conv[s];
+        TORCH_CHECK(cc.is_contiguous() && cc.scalar_type() == torch::kHalf && cc.dim() == 4 &&
+                        cc.size(0) == conv_layers_ && cc.size(1) == 1 &&
+                        cc.size(2) == ck.size(3) && cc.size(3) == dim_,
+                    "conv cache must be float16 [conv layers, 1, capacity, dim], contiguous");
+      }
       for (size_t o = 0; o < s; ++o)
         TORCH_CHECK(!ck.is_same(caches_k[o]) && !cv.is_same(caches_v[o]),
                     "each sequence needs a cache of its own");
@@ -131,19 +157,34 @@ class Model {
       TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_.size(0), "position past the rope table");
     }
     for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < L, "tap layer out of range");
+    const int64_t* src = nullptr;
+    if (conv_layers_) {
+      conv_src = conv_src.to(torch::kLong).contiguous();
+      TORCH_CHECK(conv_src.dim() == 2 && conv_src.size(0) == n && conv_src.size(1) == conv_l_,
+                  "conv_src must be [n, L]");
+      src = conv_src.data_ptr<int64_t>();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t k = 0; k < conv_l_; ++k)
+          TORCH_CHECK(src[r * conv_l_ + k] >= -1 &&
+                          src[r * conv_l_ + k] < caches_k[seq_of[r]].size(3) &&
+                          src[r * conv_l_ + k] <= slot_of[r],
+                      "a conv tap reads a slot outside the row's past");
+    }
 
     const int64_t qw = heads_ * hd_, kvw = kv_heads_ * hd_, qkvw = qw + 2 * kvw;
     // scratch kept between calls: a fresh allocation per call costs page faults
     std::vector<float>&x = x_, &h = h_, &qkv = qkv_, &attn = attn_, &gu = gu_, &act = act_,
                        &y = y_;
-    x.resize(n * dim_); h.resize(n * std::max(dim_, qw)); qkv.resize(n * qkvw);
-    attn.resize(n * qw); gu.resize(n * 2 * ffn_); act.resize(n * ffn_); y.resize(n * dim_);
+    const int64_t mixw = conv_layers_ ? std::max(qkvw, 3 * dim_) : qkvw;
+    x.resize(n * dim_); h.resize(n * std::max(dim_, qw)); qkv.resize(n * mixw);
+    attn.resize(n * std::max(qw, dim_)); gu.resize(n * 2 * ffn_); act.resize(n * ffn_); y.resize(n * dim_);
     for_rows(n, [&](int64_t r) { emb_.row(tok[r], &x[r * dim_]); });  // gguf's values
     if (embed_scale_ != 1.0f)  // float32 times the float32 scale, as torch and llama.cpp round it
       for (int64_t i = 0; i < n * dim_; ++i) x[i] *= embed_scale_;
     auto hiddens = torch::empty({static_cast<int64_t>(taps.size()), n, dim_}, torch::kFloat);
     QAct& a = act_q_;
     std::vector<Segment> segs(seqs);
+    std::vector<ConvSegment> conv_segs(seqs);
     std::vector<char> chain(seqs);  // long chains (prefill chunks) attend over the cache alone
     for (size_t s = 0; s < seqs; ++s)
       chain[s] = counts[s] >= kChainRows &&
@@ -157,9 +198,26 @@ class Model {
         rms_norm_row(&x[r * dim_], norm, &h[r * dim_], dim_, eps_);
         quantize_row(&h[r * dim_], r, a);
       });
+      if (ly.conv_taps.numel()) {  // a short-convolution layer: in_proj, the conv, out_proj
+        qmatmul_into(ly.qkv, a, qkv.data(), 3 * dim_);
+        for (size_t s = 0; s < seqs; ++s) {
+          const int64_t capacity = caches_conv[s].size(2);
+          conv_segs[s] = ConvSegment{
+              reinterpret_cast<uint16_t*>(caches_conv[s].data_ptr<at::Half>()) +
+                  ly.cache_index * capacity * dim_, capacity};
+        }
+        shortconv_rows(qkv.data(), n, dim_, ly.conv_taps.data_ptr<float>(), conv_l_, src,
+                       conv_segs, seq_of.data(), slot_of.data(), attn.data());
+        attn_out_and_ffn(ly, x.data(), attn.data(), n, dim_, dim_, ffn_, eps_, a, h.data(),
+                         y.data(), gu.data(), act.data(), ly.parts());
+        for (size_t t = 0; t < taps.size(); ++t)
+          if (taps[t] == li) std::memcpy(hiddens[t].data_ptr<float>(), x.data(), n * dim_ * 4);
+        continue;
+      }
       qmatmul_into(ly.qkv, a, qkv.data(), qkvw);
       for (size_t s = 0; s < seqs; ++s) {
-        const int64_t capacity = caches_k[s].size(3), layer = li * kv_heads_ * capacity * hd_;
+        const int64_t capacity = caches_k[s].size(3),
+                      layer = ly.cache_index * kv_heads_ * capacity * hd_;
         segs[s] = Segment{reinterpret_cast<uint16_t*>(caches_k[s].data_ptr<at::Half>()) + layer,
                           reinterpret_cast<uint16_t*>(caches_v[s].data_ptr<at::Half>()) + layer,
                           starts[s], capacity, row0[s], counts[s], ancp + row0[s] * n + row0[s], n,
@@ -275,6 +333,7 @@ class Model {
   QAct head_q_;
   std::vector<Layer> layers_;
   std::vector<float> x_, h_, qkv_, attn_, gu_, act_, y_;
+  int64_t attn_layers_ = 0, conv_layers_ = 0, conv_l_ = 0;  // layers of each kind; the conv L
   QAct act_q_;
 };
 

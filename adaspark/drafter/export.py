@@ -62,10 +62,11 @@ def _array(t: torch.Tensor, force_f32: bool = False) -> np.ndarray:
     return x.numpy()
 
 
-def default_mask_token(reader, draft_ids: set[int]) -> int:
+def default_mask_token(reader) -> int:
     """A token no reply writes, for the learned mask vector's row: the last control or unused
-    token that is not bos / eos / unk / pad, not in the chat template and not in the draft
-    vocabulary. An anchor can only be it where a prompt holds it (then only acceptance drops)."""
+    token that is not bos / eos / unk / pad and not in the chat template. Only the drafter's
+    input table holds the vector (its head is the target's rows), so an anchor that is this
+    token (a prompt that holds it) is embedded as the mask: acceptance drops, nothing else."""
     f = reader.fields
     types = f["tokenizer.ggml.token_type"].contents()
     tokens = f["tokenizer.ggml.tokens"].contents()
@@ -73,8 +74,7 @@ def default_mask_token(reader, draft_ids: set[int]) -> int:
     named = {int(f[k].contents()) for k in f if k.startswith("tokenizer.ggml.")
              and k.endswith("_token_id")}
     for i in range(len(types) - 1, -1, -1):
-        if types[i] in (3, 5) and i not in named and i not in draft_ids and (
-                tokens[i] not in template):
+        if types[i] in (3, 5) and i not in named and tokens[i] not in template:
             return i
     raise UserError("no control or unused token to hold the drafter's mask vector; pass one "
                     "with --mask-token-id")
@@ -121,7 +121,7 @@ def export_gguf(model: DraftModel, target_gguf: Path, out: Path,
     else:
         mask_id = mask_token_id if mask_token_id is not None else (
             c.mask_token_id if c.mask_token_id is not None
-            else default_mask_token(reader, set(draft_ids.tolist())))
+            else default_mask_token(reader))
         table = gguf.quants.dequantize(embd.data, embd.tensor_type).reshape(vocab, c.dim).copy()
         table[mask_id] = sd["mask_embedding"].numpy()
         w.add_tensor("token_embd.weight", table.astype(np.float32))

@@ -323,7 +323,7 @@ def _gguf_tensor(t) -> torch.Tensor:
         return torch.from_numpy(np.array(t.data, dtype=np.int64).reshape(-1))
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
     data = gguf.quants.dequantize(t.data, t.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
 # --- DeepSpec's checkpoint folder --------------------------------------------------------------

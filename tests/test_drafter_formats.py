@@ -501,3 +501,61 @@ def test_export_drafter_cli_help():
     out = subprocess.run([sys.executable, "-m", "adaspark.cli", "export-drafter", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--format" in out and "--drafter" in out and "--model" in out and "OUT" in out
+
+
+def test_generate_runs_the_exported_drafter_and_emits_the_targets_tokens(shipped_export,
+                                                                         tmp_path, capsys):
+    """`adaspark generate --drafter OUT.gguf` drafts with the llama.cpp-format file and emits
+    exactly plain decoding's greedy tokens."""
+    from adaspark import cli
+
+    _, out = shipped_export
+    argv = ["generate", "--prompt", "Name three colours.", "--max-tokens", "24", "--json",
+            "--store", str(tmp_path / "store")]
+    assert cli.main([*argv, "--arm", "ar"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.main([*argv, "--drafter", str(out)]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert drafted["token_ids"] == plain["token_ids"]
+
+
+def rewrite_gguf(src: Path, dst: Path, extra_keys: dict | None = None,
+                 extra_tensors: dict | None = None) -> Path:
+    """src's metadata and tensors again at dst, plus keys / float32 tensors."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "dflash")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, value in (extra_keys or {}).items():
+        w.add_uint32(key, value)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_shape=np.array(t.data).shape,
+                     raw_dtype=t.tensor_type)
+    for name, value in (extra_tensors or {}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_a_gguf_drafter_with_what_the_engine_does_not_run_is_refused_by_name(qwen3, tmp_path):
+    path, target = qwen3
+    info = target_info(target, path)
+    config, tensors = deepspec_tensors(syn.SHAPES["tiny"], seed=5)
+    model = load_model(target, info, write_deepspec(tmp_path / "ds", config, tensors))
+    out = export_gguf(model, path, tmp_path / "d.gguf")
+    same = load_model(target, info, rewrite_gguf(out, tmp_path / "same.gguf"))
+    # the rewrite alone changes nothing (eps is float32 in a GGUF)
+    assert {**same.c.to_dict(), "norm_eps": 0} == {**model.c.to_dict(), "norm_eps": 0}
+    cases = [({"dflash.attention.sliding_window": 64}, None, "sliding-window attention"),
+             ({"dflash.hyper_connection.count": 4}, None, "hyper-connections"),
+             (None, {"blk.0.attn_sinks.weight": np.zeros(4, np.float32)}, "attention sinks")]
+    for i, (keys, extra, words) in enumerate(cases):
+        bad = rewrite_gguf(out, tmp_path / f"bad{i}.gguf", keys, extra)
+        with pytest.raises(UserError, match=words):
+            load_model(target, info, bad)

@@ -139,9 +139,10 @@ def build(p: PeerDrafter, target: Target) -> DraftModel:
     learned_mask = None
     if own_embd is not None:  # its own input table: the target's, but perhaps for the mask row
         learned_mask = _own_embedding_mask(p, own_embd, target, mask_row)
-    stored = head is not None
-    if head is None:
-        head = target.head_rows(draft_ids).float()
+    target_rows = target.head_rows(draft_ids).float()
+    # a head of the target's own rows (our export writes them) is the target's: rebuilt at load
+    stored = head is not None and not torch.equal(head.float(), target_rows)
+    head = head if stored else target_rows
     c = DrafterConfig(
         target_layers=list(p.taps), draft_vocab_size=len(draft_ids), dim=p.dim,
         block_size=p.block_size, n_layers=p.n_layers, n_heads=p.n_heads,

@@ -559,3 +559,22 @@ def test_a_gguf_drafter_with_what_the_engine_does_not_run_is_refused_by_name(qwe
         bad = rewrite_gguf(out, tmp_path / f"bad{i}.gguf", keys, extra)
         with pytest.raises(UserError, match=words):
             load_model(target, info, bad)
+
+
+def test_a_speculators_checkpoint_is_read_as_llamacpps_converter_reads_it(qwen3, tmp_path):
+    """speculators' layout: the layer shape under transformer_layer_config, taps as
+    aux_hidden_state_layer_ids (layer inputs), d2t offsets; without sample_from_anchor it is a
+    bonus-anchor drafter, refused by name, and with it it drafts as the DeepSpec form."""
+    path, target = qwen3
+    info = target_info(target, path)
+    config, tensors = deepspec_tensors(syn.SHAPES["tiny"], seed=6)
+    inner = {k: config.pop(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim", "intermediate_size",
+                                        "rms_norm_eps", "rope_theta", "vocab_size")}
+    config.update(architectures=["DSparkSpeculator"], transformer_layer_config=inner,
+                  aux_hidden_state_layer_ids=[x + 1 for x in config.pop("target_layer_ids")])
+    with pytest.raises(UserError, match="bonus-anchor"):
+        load_model(target, info, write_deepspec(tmp_path / "a", config, tensors))
+    config["sample_from_anchor"] = True
+    model = load_model(target, info, write_deepspec(tmp_path / "b", config, tensors))
+    assert model.c.target_layers == TAPS and model.c.n_layers == inner["num_hidden_layers"]

@@ -352,7 +352,15 @@ def read_deepspec(path: Path, target: Target) -> DraftModel:
     if not any(a in _DEEPSPEC_ARCHS for a in archs):
         raise UserError(f"drafter {path}: config.json names {archs}, not a DSpark drafter "
                         f"({', '.join(_DEEPSPEC_ARCHS)})")
+    # speculators' (SpecForge's) layout, as llama.cpp's converter normalises it: the layer
+    # shape nested, taps as aux_hidden_state_layer_ids (layer inputs: id - 1), and a bonus
+    # anchor unless sample_from_anchor says otherwise
+    eagle = "transformer_layer_config" in cfg or "aux_hidden_state_layer_ids" in cfg
+    cfg = {**cfg, **cfg.get("transformer_layer_config", {})}
     dcfg = {**cfg, **cfg.get("dflash_config", {})}
+    if "aux_hidden_state_layer_ids" in dcfg and "target_layer_ids" not in dcfg:
+        dcfg["target_layer_ids"] = [i - 1 for i in dcfg["aux_hidden_state_layer_ids"]]
+    dcfg.setdefault("sample_from_anchor", not eagle)
     checks = {
         "markov_head_type": ("vanilla", "another Markov head type"),
         "hidden_act": ("silu", "another activation"),

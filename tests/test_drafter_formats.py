@@ -578,3 +578,31 @@ def test_a_speculators_checkpoint_is_read_as_llamacpps_converter_reads_it(qwen3,
     config["sample_from_anchor"] = True
     model = load_model(target, info, write_deepspec(tmp_path / "b", config, tensors))
     assert model.c.target_layers == TAPS and model.c.n_layers == inner["num_hidden_layers"]
+
+
+def test_a_peer_drafter_keeps_in_our_checkpoint_format(qwen3, tmp_path):
+    """A DeepSpec drafter with a draft vocabulary and its own head, saved as our checkpoint and
+    loaded again: every option, the stored head and the token-row mask come back, and it drafts
+    the same (its weights are fp16 values, which our checkpoints store)."""
+    from adaspark.drafter.checkpoint import load_checkpoint, save_checkpoint
+
+    path, target = qwen3
+    info = target_info(target, path)
+    s = syn.SHAPES["tiny"]
+    config, tensors = deepspec_tensors(s, draft_vocab=150, seed=8)
+    g = torch.Generator().manual_seed(9)
+    tensors["d2t"] = torch.sort(torch.randperm(s.vocab_size, generator=g)[:150]).values - \
+        torch.arange(150)
+    tensors["lm_head.weight"] = torch.randn(150, s.dim, generator=g) / 16
+    tensors = {k: v if k == "d2t" else v.half().float() for k, v in tensors.items()}
+    model = load_model(target, info, write_deepspec(tmp_path / "ds", config, tensors))
+    save_checkpoint(tmp_path / "ours", model, info)
+    again = load_checkpoint(tmp_path / "ours", info, target.embed)
+    assert again.c == model.c and again.c.lm_head == "stored"
+    assert torch.equal(again.head, model.head) and torch.equal(again.mask_embedding,
+                                                               model.mask_embedding)
+    taps = target_taps(target, list(range(40, 90)), TAPS)
+    a, _ = our_draft(model, target.embed, taps, 11)
+    b, _ = our_draft(again, target.embed, taps, 11)
+    assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.topk_logits,
+                                                                      b.topk_logits)

@@ -85,6 +85,10 @@ def native_drafter(module: ModuleType, model: DraftModel, positions: int):
                       _q8(module, ly.down.weight), **norms)
     if c.markov_keys == "target":
         out.set_markov_keys(model.draft_ids)
+    if hasattr(out, "set_markov_bound"):  # the exact shortlist's per-candidate caps
+        from adaspark.drafter.runtime import markov_bound
+
+        out.set_markov_bound(*markov_bound(model.markov_w2.weight))
     return out
 
 

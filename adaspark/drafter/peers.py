@@ -64,7 +64,8 @@ def kind_of(path: Path) -> str:
                         "dflash GGUF, a DeepSpec folder or an adaspark checkpoint folder)")
     cfg = path / "config.json"
     if not cfg.is_file():
-        raise UserError(f"no drafter at {path} (need a GGUF file or a folder with config.json)")
+        raise UserError(f"no drafter checkpoint at {path} (need a folder with config.json, "
+                        "ours or DeepSpec's, or a llama.cpp dflash GGUF file)")
     try:
         config = json.loads(cfg.read_text())
     except (OSError, ValueError) as err:

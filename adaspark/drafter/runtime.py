@@ -143,6 +143,7 @@ class Drafter:
         self._w1 = model.markov_w1.weight.detach().float()
         self._w2 = model.markov_w2.weight.detach().float()
         self._w2_max = float(self._w2.double().norm(dim=1).max())
+        self._bound = markov_bound(self._w2) if self.native is None else None
         self._key_of_pick = model.draft_ids if c.markov_keys == "target" else None
         self._temperature = model.temperature.float()
         if dtype != torch.float32 and model.confidence is not None:
@@ -268,7 +269,7 @@ class Drafter:
             logits += noise
         chain = markov_chain(logits, self._w1, self._w2, self._w2_max,
                              int(m.markov_key(anchor_t)), self._key_of_pick, self.shortlist,
-                             self.topk)
+                             self.topk, self._bound)
         conf = m.confidence_logit(hidden.float(), chain.prev_emb) / self._temperature
         return DraftBlock(
             picks=m.draft_ids[chain.picks].numpy(),
@@ -276,6 +277,62 @@ class Drafter:
             topk_logits=chain.top_v.numpy(),  # float32
             head=torch.sigmoid(conf).numpy(),
         )
+
+
+MARKOV_BASIS = 8  # W2's top directions the exactness bound computes exactly (markov_bound)
+
+
+class MarkovBound(NamedTuple):
+    """What markov_chain's per-candidate cap needs, precomputed once: basis [r, K] (W2's top
+    right singular directions, orthonormal), proj [K, V_d] = (W2 basis)^T, res [V_d] the norm
+    of each W2 row's part outside the basis and norms [V_d] each row's norm (both rounded up)."""
+    basis: torch.Tensor
+    proj: torch.Tensor
+    res: torch.Tensor
+    norms: torch.Tensor
+
+
+def markov_bound(w2: torch.Tensor, k: int = MARKOV_BASIS, chunk: int = 32768) -> MarkovBound:
+    """The bound's tables for W2 [V_d, r]: a trained W2 has a few dominant directions (the
+    shipped one: singular values 279, 34, 23, 20, ... 3.4), so w2_j.e = (w2_j B).(B^T e) +
+    rest_j.rest_e, whose second term is small next to Cauchy-Schwarz on the whole row."""
+    w = w2.detach().double()
+    k = min(k, w.shape[1])
+    gram = sum(w[i:i + chunk].T @ w[i:i + chunk] for i in range(0, len(w), chunk))
+    basis = torch.linalg.eigh(gram).eigenvectors[:, -k:]  # ascending: the top k last
+    proj, res, norms = [], [], []
+    for i in range(0, len(w), chunk):
+        part = w[i:i + chunk]
+        p = part @ basis
+        proj.append(p)
+        res.append((part - p @ basis.T).norm(dim=1))
+        norms.append(part.norm(dim=1))
+    up = 1 + 2.0**-20  # float32 storage rounds down at most 2^-24: the caps stay caps
+    return MarkovBound(basis.float().contiguous(), torch.cat(proj).T.float().contiguous(),
+                       (torch.cat(res) * up).float(), (torch.cat(norms) * up).float())
+
+
+def _reaching(logits_row: torch.Tensor, e: torch.Tensor, bound: MarkovBound, best: float
+              ) -> torch.Tensor:
+    """The candidates whose cap on their biased logit reaches `best` (any that could win)."""
+    return torch.nonzero(markov_caps(logits_row, e, bound) >= best).flatten()
+
+
+def markov_caps(logits_row: torch.Tensor, e: torch.Tensor, bound: MarkovBound) -> torch.Tensor:
+    """Per candidate j, a cap on its biased logit as the exact path computes it in float32,
+    logit_j + w2_j.e: (w2_j B).(B^T e) + |rest of w2_j| |rest of e| (Cauchy-Schwarz on the
+    parts outside the basis B), plus (r + 2K + 8) 2^-24 (|logit_j| + 2 |w2_j| |e|) for the
+    rounding of this float pass and of the exact path's r-term dot and add (generous)."""
+    basis = bound.basis.double()
+    e64 = e.double()
+    pe = basis.T @ e64
+    up = 1 + 2.0**-20
+    re_ = float((e64 - basis @ pe).norm()) * up
+    en = float(e64.norm()) * up
+    r, k = len(e), basis.shape[1]
+    c = (r + 2 * k + 8) * 2.0**-24  # this float pass's rounding and the exact path's
+    return (logits_row + c * logits_row.abs() + pe.float() @ bound.proj + bound.res * re_
+            + bound.norms * (2 * c * en))
 
 
 class Chain(NamedTuple):
@@ -300,13 +357,16 @@ def shortlist_is_exact(best: float, last_short: float, w2_max: float, e_norm: fl
 
 def markov_chain(logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w2_max: float,
                  first_key: int, key_of_pick: torch.Tensor | None, shortlist: int,
-                 topk: int) -> Chain:
+                 topk: int, bound: MarkovBound | None = None) -> Chain:
     """The Markov head along the picks: row i's logits plus W2 W1[previous], its pick the exact
     argmax over the whole draft vocabulary (ties to the lower index), as the peers compute it.
     The bias is applied to each row's `shortlist` best backbone candidates only (seven
     [V_d x r] matvecs cost a quarter of the draft on this CPU) where shortlist_is_exact proves
-    no other candidate can win, else to every candidate. first_key: W1's row of the anchor;
-    key_of_pick: W1's row of each draft index (None: the index itself)."""
+    no other candidate can win; else, with `bound`, to the shortlist and every candidate whose
+    cap (_reaching: exact along W2's top directions, Cauchy-Schwarz on the rest) reaches the
+    shortlist's best (the shipped drafter: some 100 of 8192), else to every candidate.
+    first_key: W1's row of the anchor; key_of_pick: W1's row of each draft index (None: the
+    index itself)."""
     B, V = logits.shape
     S = min(shortlist, V)
     short_v, short_i = logits.topk(S, -1)
@@ -322,7 +382,14 @@ def markov_chain(logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w2_ma
         cand, vals = short_i[i], short_v[i] + w2[short_i[i]] @ e
         if S < V and not shortlist_is_exact(float(vals.max()), float(short_v[i, -1]), w2_max,
                                             float(e.norm()), w1.shape[1]):
-            cand, vals = torch.arange(V), logits[i] + w2 @ e
+            if bound is None:
+                cand, vals = torch.arange(V), logits[i] + w2 @ e
+            else:
+                reach = _reaching(logits[i], e, bound, float(vals.max()))
+                extra = reach[~torch.isin(reach, cand)]
+                if len(extra):
+                    cand = torch.cat([cand, extra])
+                    vals = logits[i, cand] + w2[cand] @ e
         # best first, ties to the lower index: sort by index, then stably by value
         by_id = torch.argsort(cand)
         order = by_id[torch.sort(vals[by_id], descending=True, stable=True).indices[:K]]

@@ -249,6 +249,26 @@ class Drafter {
                                  qk_eps < 0 ? eps_ : static_cast<float>(qk_eps)});
   }
 
+  // The Markov exactness bound's precomputation (runtime.markov_bound): basis [r, K] of W2's
+  // top right singular directions, proj [K, V_d] = (W2 basis)^T, res [V_d] |W2 row - its part
+  // in the basis| and norms [V_d] |W2 row|, both rounded up. Without it a shortlist that the
+  // plain Cauchy-Schwarz cap cannot prove falls back to every candidate.
+  void set_markov_bound(torch::Tensor basis, torch::Tensor proj, torch::Tensor res,
+                        torch::Tensor norms) {
+    const int64_t r = w1_.size(1), K = basis.dim() == 2 ? basis.size(1) : 0, V = head_.n;
+    TORCH_CHECK(basis.scalar_type() == torch::kFloat && basis.size(0) == r && K >= 1 && K <= 64,
+                "basis must be float32 [r, K], K in 1..64");
+    TORCH_CHECK(proj.scalar_type() == torch::kFloat && proj.dim() == 2 && proj.size(0) == K &&
+                    proj.size(1) == V && res.numel() == V && norms.numel() == V &&
+                    res.scalar_type() == torch::kFloat && norms.scalar_type() == torch::kFloat,
+                "proj [K, V_d], res and norms [V_d], float32");
+    mb_basis_ = basis.contiguous();
+    mb_proj_ = proj.contiguous();
+    mb_res_ = res.contiguous();
+    mb_norm_ = norms.contiguous();
+    mb_k_ = K;
+  }
+
   // The Markov head's W1 rows when it is keyed by target id (the peers' form): pick_keys [V_d]
   // the row of each draft index (its target id), and draft_token() keys the anchor by its id.
   void set_markov_keys(torch::Tensor pick_keys) {
@@ -521,7 +541,60 @@ class Drafter {
         const double bias_cap = w2_max_ * std::sqrt(e2) * (1.0 + r * 0x1p-23);
         const double last = lr[(*cand)[S - 1]];
         const double cap = last + bias_cap + 0x1p-22 * (std::abs(last) + bias_cap);
-        if (!(*std::max_element(sv.begin(), sv.end()) > cap)) {
+        const float best = *std::max_element(sv.begin(), sv.end());
+        if (!(best > cap) && mb_k_ > 0) {
+          // Per candidate: w2_j.e = (P_j).(B^T e) + (its rest).(e's rest) <= P_j.pe + res_j re
+          // (Cauchy-Schwarz on the part outside W2's top directions, where little is left),
+          // plus slack for this pass's float rounding and the exact path's (an r-term dot and
+          // an add: (r + 2K + 8) 2^-24 of |base| + 2 |w2_j| |e|, generous). Candidates whose cap
+          // reaches the shortlist's best join it and are computed exactly; no other can win.
+          const int64_t Kb = mb_k_;
+          const float* basis = mb_basis_.data_ptr<float>();
+          double pe[64], re2 = 0.0;
+          for (int64_t q = 0; q < Kb; ++q) {
+            double acc = 0.0;
+            for (int64_t k = 0; k < r; ++k) acc += double(e[k]) * basis[k * Kb + q];
+            pe[q] = acc;
+          }
+          for (int64_t k = 0; k < r; ++k) {
+            double rest = e[k];
+            for (int64_t q = 0; q < Kb; ++q) rest -= basis[k * Kb + q] * pe[q];
+            re2 += rest * rest;
+          }
+          const float re = static_cast<float>(std::sqrt(re2) * (1 + 0x1p-20));
+          const float en = static_cast<float>(std::sqrt(e2) * (1 + 0x1p-20));
+          const float c = static_cast<float>(r + 2 * Kb + 8) * 0x1p-24f;
+          in_short_.assign(V, 0);
+          for (int64_t j : *cand) in_short_[j] = 1;
+          merged_.assign(cand->begin(), cand->end());
+          const float *proj = mb_proj_.data_ptr<float>(), *res = mb_res_.data_ptr<float>(),
+                      *nrm = mb_norm_.data_ptr<float>();
+          auto reaches = [&](int64_t j) {
+            if (!in_short_[j]) merged_.push_back(j);
+          };
+          const vf vbest = vset1(best), vc = vset1(c), vre = vset1(re), v2cen = vset1(2 * c * en);
+          int64_t j = 0;
+          for (; j + W <= V; j += W) {
+            const vf l = vload(lr + j);
+            vf capv = vfma(vc, vabs(l), l);
+            for (int64_t q = 0; q < Kb; ++q)
+              capv = vfma(vload(proj + q * V + j), vset1(static_cast<float>(pe[q])), capv);
+            capv = vfma(vload(res + j), vre, capv);
+            capv = vfma(vload(nrm + j), v2cen, capv);
+            for (unsigned bits = vge_mask(capv, vbest); bits; bits &= bits - 1)
+              reaches(j + __builtin_ctz(bits));
+          }
+          for (; j < V; ++j) {
+            float capj = lr[j] + c * std::abs(lr[j]);
+            for (int64_t q = 0; q < Kb; ++q) capj += proj[q * V + j] * static_cast<float>(pe[q]);
+            capj += res[j] * re + nrm[j] * 2 * c * en;
+            if (capj >= best) reaches(j);
+          }
+          if (merged_.size() > cand->size()) {
+            cand = &merged_;
+            biased(merged_, lr, e);
+          }
+        } else if (!(best > cap)) {
           cand = &all_;
           biased(all_, lr, e);
         }
@@ -594,6 +667,10 @@ class Drafter {
   double w2_max_ = 0.0;  // the largest |W2 row|
   torch::Tensor pick_keys_;  // set_markov_keys()'s, or undefined: W1 keyed by draft index
   std::vector<int64_t> all_;  // 0..V_d-1: every candidate, where a shortlist is not exact
+  torch::Tensor mb_basis_, mb_proj_, mb_res_, mb_norm_;  // set_markov_bound()'s
+  int64_t mb_k_ = 0;
+  std::vector<uint8_t> in_short_;  // the shortlist's members, marked
+  std::vector<int64_t> merged_;    // the shortlist and the candidates its bound cannot exclude
   std::optional<QWeight> embedding_;  // set_vocab()'s
   torch::Tensor to_draft_, draft_ids_, anchor_row_;
   struct Shortlist {  // a row's shortlist and its scratch, kept between calls

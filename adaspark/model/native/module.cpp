@@ -96,6 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("q_norm") = torch::empty({0}), py::arg("k_norm") = torch::empty({0}),
            py::arg("qk_eps") = -1.0)
       .def("set_markov_keys", &Drafter::set_markov_keys)
+      .def("set_markov_bound", &Drafter::set_markov_bound)
       .def("append", &Drafter::append, py::call_guard<py::gil_scoped_release>())
       .def("backbone", &Drafter::backbone, py::call_guard<py::gil_scoped_release>())
       .def("markov", &Drafter::markov, py::call_guard<py::gil_scoped_release>())

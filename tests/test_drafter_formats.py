@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from adaspark.drafter import peers
 from adaspark.drafter.export import export_gguf, identity_norm_scale
 from adaspark.drafter.loading import DEFAULT_DRAFTER, load_model, target_info
 from adaspark.drafter.model import DraftModel, neox_to_pairs
@@ -606,3 +607,27 @@ def test_a_peer_drafter_keeps_in_our_checkpoint_format(qwen3, tmp_path):
     b, _ = our_draft(again, target.embed, taps, 11)
     assert np.array_equal(a.topk_ids, b.topk_ids) and np.array_equal(a.topk_logits,
                                                                       b.topk_logits)
+
+
+def test_an_untied_targets_head_is_shared_not_copied(tmp_path):
+    """A target whose head is not its embedding (Qwen3-8B's kind): a full-vocabulary DeepSpec
+    drafter drafts with the target's head rows, and its export carries no head (llama.cpp
+    shares the target's) yet reads back to the same drafter."""
+    s = syn.replace(syn.SHAPES["tiny"], tied=False)
+    path = syn.write_model(tmp_path / "untied.gguf", syn.Recipe("qwen3", s, syn.Q.Q8_0, seed=2))
+    target = Transformer.from_gguf(path, precision="reference", max_context=256)
+    assert not target.tied
+    info = target_info(target, path)
+    config, tensors = deepspec_tensors(s, seed=12)
+    model = load_model(target, info, write_deepspec(tmp_path / "ds", config, tensors))
+    head = peers.target_of(target).head_rows(torch.arange(s.vocab_size)).double().numpy()
+    embd = target.embed(torch.arange(s.vocab_size)).double().numpy()
+    assert not np.array_equal(head, embd)
+    t, meta = as_gguf_names(config, tensors)
+    taps = target_taps(target, list(range(40, 90)), TAPS)
+    assert_parity(model, target.embed, taps, 5, t, meta, embd, head)
+    out = export_gguf(model, path, tmp_path / "d.gguf")
+    t2, _ = read_peer_gguf(out)
+    assert "output.weight" not in t2 and "d2t" not in t2
+    again = load_model(target, info, out)
+    assert_parity(again, target.embed, taps, 5, t2, meta, embd, head)

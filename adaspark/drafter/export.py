@@ -126,13 +126,18 @@ def export_gguf(model: DraftModel, target_gguf: Path, out: Path,
         table[mask_id] = sd["mask_embedding"].numpy()
         w.add_tensor("token_embd.weight", table.astype(np.float32))
     w.add_uint32("tokenizer.ggml.mask_token_id", mask_id)
-    # the head over the draft vocabulary: the target's own rows where it is them
-    if c.lm_head == "target_embedding_rows" and "output.weight" not in tensors:
+    # the head over the draft vocabulary: none where it is the whole target head (llama.cpp
+    # then shares the target's), the target's own rows where it is them, else its own
+    full = len(draft_ids) == vocab and torch.equal(draft_ids, torch.arange(vocab))
+    target_rows = c.lm_head == "target_embedding_rows" and "output.weight" not in tensors
+    if full and c.mask_token == "target_token" and "output.weight" in tensors:
+        target_rows = _is_target_head(model.head, tensors["output.weight"])
+    if target_rows and not (full and c.mask_token == "target_token"):
         rows = np.ascontiguousarray(np.asarray(embd.data)[draft_ids.numpy()])
         w.add_tensor("output.weight", rows, raw_shape=rows.shape, raw_dtype=embd.tensor_type)
-    else:
+    elif not target_rows:
         w.add_tensor("output.weight", _array(model.head, force_f32=True))
-    if len(draft_ids) != vocab or not torch.equal(draft_ids, torch.arange(vocab)):
+    if not full:
         w.add_tensor("d2t", draft_ids.numpy().astype(np.int64),
                      raw_dtype=gguf.GGMLQuantizationType.I64)
     w1 = sd["markov_w1.weight"]
@@ -181,6 +186,20 @@ def export_gguf(model: DraftModel, target_gguf: Path, out: Path,
     w.close()
     tmp.replace(out)
     return Path(out)
+
+
+def _is_target_head(head: torch.Tensor, output, chunk: int = 8192) -> bool:
+    """Whether head [V, dim] is the target's untied output matrix, row for row."""
+    import gguf
+
+    data = np.asarray(output.data)
+    if len(data) != len(head):
+        return False
+    for i in range(0, len(head), chunk):
+        rows = gguf.quants.dequantize(data[i:i + chunk], output.tensor_type)
+        if not np.array_equal(rows.reshape(head[i:i + chunk].shape), head[i:i + chunk].numpy()):
+            return False
+    return True
 
 
 def _field(reader, key: str):

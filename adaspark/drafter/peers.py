@@ -38,6 +38,7 @@ class Target:
     n_layers: int
     embed: object  # token ids -> [..., dim]
     head_rows: object  # token ids -> [..., dim]: the target's LM head rows (tied: embed)
+    tied: bool = True  # the head is the input embedding
 
 
 def target_of(transformer) -> Target:
@@ -50,7 +51,8 @@ def target_of(transformer) -> Target:
         rows = transformer._weights.raw("output.weight").dequantize()
         return torch.from_numpy(np.ascontiguousarray(rows[ids.numpy()])).float()
 
-    return Target(c.dim, c.vocab_size, c.n_layers, transformer.embed, head_rows)
+    return Target(c.dim, c.vocab_size, c.n_layers, transformer.embed, head_rows,
+                  transformer.tied)
 
 
 def kind_of(path: Path) -> str:
@@ -142,8 +144,9 @@ def build(p: PeerDrafter, target: Target) -> DraftModel:
         learned_mask = _own_embedding_mask(p, own_embd, target, mask_row)
     target_rows = target.head_rows(draft_ids).float()
     # a head of the target's own rows (our export writes them) is the target's: rebuilt at load
-    stored = head is not None and not torch.equal(head.float(), target_rows)
-    head = head if stored else target_rows
+    # from its embedding where the target ties them (else kept, as a head of its own)
+    stored = (head is not None and not torch.equal(head.float(), target_rows)) or not target.tied
+    head = target_rows if head is None or not stored else head
     c = DrafterConfig(
         target_layers=list(p.taps), draft_vocab_size=len(draft_ids), dim=p.dim,
         block_size=p.block_size, n_layers=p.n_layers, n_heads=p.n_heads,

@@ -213,9 +213,11 @@ _REFUSED_KEYS = {
     "selector_rank": "DFlash2's candidate selector",
     "conv_kernel_size": "DFlash2's block convolutions",
     "rope.dimension_sections": "M-RoPE sections",
+    "rope.scaling.type": "scaled RoPE",
 }
 _NEUTRAL = {"logit_scale": 1.0, "embedding_scale": 1.0, "final_logit_softcapping": 0.0,
-            "attention.sliding_window": 0, "hyper_connection.count": 0, "selector_rank": 0}
+            "attention.sliding_window": 0, "hyper_connection.count": 0, "selector_rank": 0,
+            "rope.scaling.type": "none"}
 _REFUSED_TENSORS = {
     "attn_sinks": "attention sinks", "post_attention_norm": "post-attention norms",
     "post_ffw_norm": "post-FFN norms", "layer_output_scale": "layer output scales",

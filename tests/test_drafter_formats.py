@@ -429,37 +429,63 @@ def test_neox_and_pair_layouts_give_one_rotation():
     assert torch.allclose(rope(x[..., perm], pos, 1e4)[..., :], neox[..., perm], atol=1e-6)
 
 
-def test_a_peer_drafter_runs_on_the_native_build_near_its_float32_self(qwen3, tmp_path):
-    """Every option on (q/k norms, NeoX, a token-row mask, W1 by target id): the native draft
-    (Q8_0 weights) stays within Q8_0's ~1% of the float32 one, the rows as the torch path's."""
+def native_module():
     from adaspark.model import native
 
     module, why = native.load_isa(native.runnable_isas()[0]) if native.runnable_isas() else (
         None, "no native build runs here")
     if module is None:
         pytest.skip(f"native build not usable here: {why}")
+    return module
+
+
+def native_backbone_error(module, model, embed, taps, anchor: int) -> float:
+    """The native backbone's largest row error relative to the float32 model's."""
+    nat = Drafter(model, embed, native=module, positions=256)
+    assert nat.native is not None
+    nat.observe_taps(taps)
+    ref = Drafter(model, embed, dtype=torch.float32)
+    ref.observe_taps(taps)
+    n, a = nat.cache.length, torch.tensor([anchor])
+    hidden, _ = nat.native.backbone(nat.cache.k, nat.cache.v, embed(a)[0], n, torch.empty(0))
+    with torch.inference_mode():
+        ref.cache._grow(n + model.c.block_size)
+        x = model.block_rows(embed(a)[0])
+        pos = torch.arange(n, n + model.c.block_size)
+        for layer, k, v in zip(model.layers, ref.cache.k, ref.cache.v, strict=True):
+            x = layer.forward_cached(x, pos, k, v, n)
+        want = model.norm(x)
+    return float(((hidden - want).norm(dim=-1) / want.norm(dim=-1)).max())
+
+
+def test_the_exported_shipped_drafter_runs_natively(shipped_export, reference_model, model_path):
+    """Read back, the export's shrunken q/k rows (its identity norms) are rescaled by a power of
+    two for Q8_0 at load, the norms' epsilon with them: the native backbone stays within
+    Q8_0's ~1% of the float32 model, as the shipped drafter's does."""
+    _, out = shipped_export
+    again = load_model(reference_model, target_info(reference_model, model_path), out)
+    tokens = list(range(1000, 1060))
+    taps = target_taps(reference_model, tokens, again.c.target_layers)
+    assert native_backbone_error(native_module(), again, reference_model.embed, taps,
+                                 tokens[-1]) < 2**-4
+
+
+def test_a_peer_drafter_runs_on_the_native_build_near_its_float32_self(qwen3, tmp_path):
+    """Every option on (q/k norms, NeoX, a token-row mask, W1 by target id): the native draft
+    (Q8_0 weights) stays within Q8_0's ~1% of the float32 one, the rows as the torch path's."""
+    module = native_module()
     path, target = qwen3
     config, tensors = deepspec_tensors(syn.SHAPES["tiny"], seed=3, conf=False)
     model = load_model(target, target_info(target, path),
                        write_deepspec(tmp_path / "ds", config, tensors))
     assert model.confidence is None
     taps = target_taps(target, list(range(40, 100)), TAPS)
+    assert native_backbone_error(module, model, target.embed, taps, 7) < 2**-4
     nat = Drafter(model, target.embed, native=module, positions=256)
     assert nat.native is not None
     nat.observe_taps(taps)
     ref = Drafter(model, target.embed, dtype=torch.float32)
     ref.observe_taps(taps)
-    n, anchor = nat.cache.length, torch.tensor([7])
-    hidden, _ = nat.native.backbone(nat.cache.k, nat.cache.v, target.embed(anchor)[0], n,
-                                    torch.empty(0))
-    with torch.inference_mode():
-        ref.cache._grow(n + model.c.block_size)
-        x = model.block_rows(target.embed(anchor)[0])
-        pos = torch.arange(n, n + model.c.block_size)
-        for layer, k, v in zip(model.layers, ref.cache.k, ref.cache.v, strict=True):
-            x = layer.forward_cached(x, pos, k, v, n)
-        want = model.norm(x)
-    assert float(((hidden - want).norm(dim=-1) / want.norm(dim=-1)).max()) < 2**-4
     a, b = nat.draft(7), ref.draft(7)
     assert np.allclose(a.head, 0.5) and np.allclose(b.head, 0.5)  # no confidence head: 1/2
     assert a.picks.shape == b.picks.shape == (model.c.block_size,)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("sim", "simulate the scheduler on a cost curve, no model"),
     "train-drafter": ("train_drafter", "train the DSpark drafter for a target"),
     "eval-drafter": ("eval_drafter", "evaluate a drafter on held-out prompts"),
+    "export-drafter": ("export_drafter", "write a drafter in llama.cpp's dflash GGUF format"),
     "serve": ("serve", "OpenAI-compatible HTTP server"),
     "bench": ("bench", "run the paper's evaluation protocol against servers"),
     "report": ("report", "tables and figures from a bench directory"),

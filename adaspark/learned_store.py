@@ -36,8 +36,12 @@ def default_store_dir() -> Path:
 
 
 def drafter_sha256(checkpoint: Path) -> str:
-    """One hash over a drafter checkpoint's config and weights (both change what it drafts)."""
-    return sha256_files(*(Path(checkpoint) / name for name in ("config.json", "model.safetensors")))
+    """One hash over a drafter's config and weights (both change what it drafts): a GGUF file
+    whole, a folder's config.json and its safetensors files in name order."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_file():
+        return sha256_files(checkpoint)
+    return sha256_files(checkpoint / "config.json", *sorted(checkpoint.glob("*.safetensors")))
 
 
 def arm_family(arm: Arm | str) -> str:

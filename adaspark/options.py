@@ -115,9 +115,11 @@ def add_model_options(parser: argparse.ArgumentParser, model_default: str | None
     parser.add_argument("--arm", metavar="ARM", type=arm_type,
                         help=arm_help() + "; default: adaspark,gate when a drafter exists for "
                              "the model, else ngram")
-    parser.add_argument("--drafter", metavar="DIR",
-                        help="drafter checkpoint, refused unless trained for this model "
-                             "file (default: the shipped one for the model)")
+    parser.add_argument("--drafter", metavar="PATH",
+                        help="drafter: our checkpoint folder (refused unless trained for this "
+                             "model file), a llama.cpp dflash GGUF or a DeepSpec folder "
+                             "(checked against the model; docs/drafter-formats.md); default: "
+                             "the shipped one for the model")
     parser.add_argument("--store", metavar="DIR",
                         help="learned store directory (default: the user cache)")
     parser.add_argument("--fresh", action="store_true",

@@ -155,9 +155,11 @@ def test_observing_a_run_of_rows_equals_gathering_them(module, shipped, fast_mod
 
 
 def markov_reference(model, hidden, logits, prev, shortlist, topk):
-    """drafter/runtime.py's Markov and confidence heads in float64 numpy, best first with ties
-    to the lower index; returns picks, top ids, top values, confidences and the largest error
-    a float32 sum of the Markov and confidence dots can carry."""
+    """The Markov and confidence heads by their definition, in float64 numpy: the bias on every
+    candidate of the draft vocabulary (the peers' form; the native shortlist must give the
+    same picks), best first with ties to the lower index; returns picks, top ids, top values,
+    confidences and the largest error a float32 sum of the Markov and confidence dots can
+    carry. `shortlist` is not read: a shortlist may only change the cost."""
     w1 = model.markov_w1.weight.detach().double().numpy()
     w2 = model.markov_w2.weight.detach().double().numpy()
     cw = model.confidence.weight.detach().double().numpy()[0]
@@ -167,7 +169,7 @@ def markov_reference(model, hidden, logits, prev, shortlist, topk):
     picks, ids, vals, conf, slack = [], [], [], [], 0.0
     eps = np.finfo(np.float32).eps
     for i in range(len(logits)):
-        short = np.lexsort((np.arange(logits.shape[1]), -logits[i]))[:shortlist]
+        short = np.lexsort((np.arange(logits.shape[1]), -logits[i]))
         e = w1[prev]
         terms = w2[short] * e
         sv = logits[i, short] + terms.sum(-1)

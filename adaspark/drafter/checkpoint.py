@@ -5,7 +5,9 @@ and type, confidence head flags, draft vocabulary size, top-K) and the target's 
 (arch, n_layers, dim, vocab size, model file name and sha256). model.safetensors holds the
 trainable weights (fp16), the draft vocabulary (target ids) and the confidence temperatures.
 The LM head is not stored: it is the target's embedding rows of the draft vocabulary, rebuilt
-from the target at load, which the fingerprint guarantees is the same target.
+from the target at load, which the fingerprint guarantees is the same target (a head of its
+own, lm_head "stored", a peer's, is stored as `lm_head`); a mask that is a target token's row
+is rebuilt likewise.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def save_checkpoint(path: Path, model: DraftModel, target: dict, info: dict | No
         if k != "temperature"
     }
     tensors["draft_vocab"] = model.draft_ids.to(torch.int64).contiguous()
+    if model.c.lm_head == "stored":  # a head of its own (a peer's); else rebuilt from the target
+        tensors["lm_head"] = model.head.to(torch.float16).contiguous()
     tensors["temperature"] = model.temperature.to(torch.float32).contiguous()
     config = {"format": FORMAT, "drafter": model.c.to_dict(), "target": target, "info": info or {}}
     tmp = path / "model.safetensors.tmp"
@@ -115,9 +119,15 @@ def load_checkpoint(path: Path, target: dict, embed: Embed) -> DraftModel:
     if "draft_vocab" not in tensors or len(tensors["draft_vocab"]) != c.draft_vocab_size:
         raise UserError(f"drafter checkpoint {path} is corrupt: draft vocabulary missing or wrong")
     draft_ids = tensors.pop("draft_vocab")
+    stored = tensors.pop("lm_head", None)
+    if (stored is None) != (c.lm_head != "stored"):
+        raise UserError(f"drafter checkpoint {path} is corrupt: lm_head {c.lm_head!r} but its "
+                        f"head {'missing' if stored is None else 'present'}")
     with torch.no_grad():
-        head = embed(draft_ids).to(torch.float32)
-    model = DraftModel(c, draft_ids, head)
+        head = embed(draft_ids).to(torch.float32) if stored is None else stored.float()
+        mask_row = (embed(torch.tensor([c.mask_token_id]))[0].float()
+                    if c.mask_token == "target_token" else None)
+    model = DraftModel(c, draft_ids, head, mask_row=mask_row)
     state = {k: v.to(torch.float32) for k, v in tensors.items()}
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)

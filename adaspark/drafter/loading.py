@@ -1,10 +1,12 @@
-"""Finding and loading the drafter for a target: the shipped default, or a checkpoint path."""
+"""Finding and loading the drafter for a target: the shipped default, or a path to one in our
+format, llama.cpp's dflash GGUF or DeepSpec's folder (drafter/peers.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from adaspark.drafter import peers
 from adaspark.drafter.checkpoint import load_checkpoint, read_config
 from adaspark.drafter.runtime import Drafter
 from adaspark.errors import UserError
@@ -48,11 +50,21 @@ def default_drafter_for(info: dict) -> Path:
     return DEFAULT_DRAFTER
 
 
+def load_model(target, info: dict, path: Path):
+    """The DraftModel at `path` in whichever format it is (ours, a llama.cpp dflash GGUF, a
+    DeepSpec folder), checked against the loaded target."""
+    kind = peers.kind_of(path)
+    if kind == "adaspark":
+        return load_checkpoint(path, info, target.embed)
+    reader = peers.read_gguf if kind == "gguf" else peers.read_deepspec
+    return reader(path, peers.target_of(target))
+
+
 def load_drafter(target, model_path: Path, drafter_path: Path | None = None, **kw) -> Drafter:
     """The runtime drafter for a loaded target (`Transformer`), checked against its fingerprint."""
     info = target_info(target, model_path)
     path = Path(drafter_path) if drafter_path else default_drafter_for(info)
-    model = load_checkpoint(path, info, target.embed)
+    model = load_model(target, info, path)
     if getattr(target, "native", None) is not None:  # the drafter runs on the target's build
         kw.setdefault("native", target.native_module)
         kw.setdefault("positions", target.cache.capacity + model.c.block_size)

@@ -82,7 +82,7 @@ def forward_batch(model: DraftModel, embed, b: Batch):
     mask = torch.cat([ctx_vis, blk_vis], 1).repeat_interleave(B, 0)[None]
     hidden = model.backbone(rows.reshape(1, N * B, c.dim), pos, ctx_kv, mask)[0]
     logits = model.logits(hidden)
-    bias, prev_emb = model.markov_bias(model.to_draft(b.block_prev.reshape(-1)))
+    bias, prev_emb = model.markov_bias(model.markov_key(b.block_prev.reshape(-1)))
     logits = (logits + bias).reshape(N, B, -1)
     conf = model.confidence_logit(hidden, prev_emb).reshape(N, B)
     return logits, conf

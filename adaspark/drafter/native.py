@@ -11,11 +11,12 @@ call replaces some sixty torch ops.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import torch
 
-from adaspark.drafter.model import DraftModel, rope_tables
+from adaspark.drafter.model import DraftModel, neox_to_pairs, rope_tables
 from adaspark.drafter.runtime import DrafterCache
 from adaspark.model.native import pack_blocks, quantize_q8_0
 
@@ -35,22 +36,59 @@ def fc_weights(module: ModuleType, weight: torch.Tensor) -> torch.Tensor:
     return half if exact else w
 
 
+def _unit_scale(w: torch.Tensor) -> float:
+    """The power of two that brings w's largest magnitude into [0.5, 1) (1 for zeros)."""
+    top = float(w.detach().abs().max())
+    return 1.0 if top == 0.0 else 2.0 ** -math.frexp(top)[1]
+
+
 def native_drafter(module: ModuleType, model: DraftModel, positions: int):
-    """The native Drafter for a float32 DraftModel, RoPE tables for `positions` positions."""
+    """The native Drafter for a float32 DraftModel, RoPE tables for `positions` positions.
+
+    The native build rotates adjacent pairs: a NeoX drafter's q/k rows (and q/k norm weights)
+    are reordered to pairs here (neox_to_pairs), the same rotation. A drafter without a
+    confidence head gets zero weights: a confidence of 1/2 on every row, as the torch path.
+    A build older than the drafter options refuses them (the torch path runs)."""
     c = model.c
     cos, sin = rope_tables(c.head_dim, c.rope_theta, positions)
     f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+    needs = (c.qk_norm or c.markov_keys == "target")
+    if needs and not hasattr(module.Drafter, "set_markov_keys"):
+        raise RuntimeError("this native build predates q/k norms and target-keyed Markov heads")
+    pairs = (lambda w: neox_to_pairs(w.detach(), c.head_dim)) if c.rope_style == "neox" else (
+        lambda w: w)
+    if model.confidence is None:
+        conf_w, conf_b = torch.zeros(c.dim + c.markov_rank), 0.0
+    else:
+        conf_w = f32(model.confidence.weight).flatten()
+        conf_b = float(model.confidence.bias.detach())
     out = module.Drafter(
         c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.block_size, c.norm_eps, cos, sin,
         fc_weights(module, model.fc.weight), f32(model.ctx_norm.weight), f32(model.mask_embedding),
         f32(model.norm.weight), _q8(module, model.head), f32(model.markov_w1.weight),
-        f32(model.markov_w2.weight), f32(model.confidence.weight).flatten(),
-        float(model.confidence.bias.detach()), f32(model.temperature))
+        f32(model.markov_w2.weight), conf_w, conf_b, f32(model.temperature))
     for ly in model.layers:
+        q, k = pairs(ly.q.weight), pairs(ly.k.weight)
+        norms = {}
+        if ly.q_norm is not None:
+            # q/k rows scaled by a power of two sigma, and the norms' epsilon by sigma^2, give
+            # the same normed q/k (RMSNorm(sigma y; sigma^2 eps) = RMSNorm(y; eps)): rows that
+            # an exported drafter shrank to make its norm an identity (drafter/export.py) stay
+            # within Q8_0's fp16 scales
+            sigma = _unit_scale(torch.cat([q, k]))
+            q, k = q * sigma, k * sigma
+            norms = {"q_norm": f32(pairs(ly.q_norm.weight)), "k_norm": f32(pairs(ly.k_norm.weight)),
+                     "qk_eps": c.norm_eps * sigma * sigma}
         out.add_layer(f32(ly.attn_norm.weight), f32(ly.ffn_norm.weight),
-                      _q8(module, ly.q.weight, ly.k.weight, ly.v.weight),
-                      _q8(module, ly.k.weight, ly.v.weight), _q8(module, ly.o.weight),
-                      _q8(module, ly.gate.weight, ly.up.weight), _q8(module, ly.down.weight))
+                      _q8(module, q, k, ly.v.weight), _q8(module, k, ly.v.weight),
+                      _q8(module, ly.o.weight), _q8(module, ly.gate.weight, ly.up.weight),
+                      _q8(module, ly.down.weight), **norms)
+    if c.markov_keys == "target":
+        out.set_markov_keys(model.draft_ids)
+    if hasattr(out, "set_markov_bound"):  # the exact shortlist's per-candidate caps
+        from adaspark.drafter.runtime import markov_bound
+
+        out.set_markov_bound(*markov_bound(model.markov_w2.weight))
     return out
 
 

@@ -20,6 +20,7 @@ import copy
 import logging
 from collections.abc import Sequence
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -100,7 +101,8 @@ class Drafter:
     ):
         """dtype: weights and cache at inference on the torch path. At 7 rows every matmul is
         bound by reading its weights, so bf16 (native on AVX512-BF16 CPUs) halves the draft time.
-        shortlist: candidates per row the Markov bias is applied to (>= V_d: exact).
+        shortlist: candidates per row the Markov bias is applied to where that provably
+        keeps the exact pick (markov_chain), else every candidate.
         native: the native build's module (the target's): the whole draft in one call on Q8_0
         weights (drafter/native.py), positions up to `positions`; None: the torch path.
         embedding: the target's packed embedding table (the native module's QWeight whose rows
@@ -140,8 +142,11 @@ class Drafter:
         # the Markov matvec runs 7 times in a row: fp32 MKL gemv beats bf16 there
         self._w1 = model.markov_w1.weight.detach().float()
         self._w2 = model.markov_w2.weight.detach().float()
+        self._w2_max = float(self._w2.double().norm(dim=1).max())
+        self._bound = markov_bound(self._w2) if self.native is None else None
+        self._key_of_pick = model.draft_ids if c.markov_keys == "target" else None
         self._temperature = model.temperature.float()
-        if dtype != torch.float32:
+        if dtype != torch.float32 and model.confidence is not None:
             model.confidence.float()
 
     def _new_cache(self) -> DrafterCache:
@@ -237,8 +242,12 @@ class Drafter:
                 cache.k, cache.v, anchor, cache.length, self.shortlist, self.topk, noise)
             return DraftBlock(picks=picks.numpy(), topk_ids=top_i.numpy(),
                               topk_logits=top_v.numpy(), head=conf.numpy())
-        # the anchor's draft index; ids past the table are outside the draft vocabulary
-        prev = int(self._to_draft[anchor]) if anchor < len(self._to_draft) else len(self._draft_ids)
+        # the anchor's W1 row: its id, or its draft index (ids past the table: outside)
+        if self.model.c.markov_keys == "target":
+            prev = anchor
+        else:
+            prev = (int(self._to_draft[anchor]) if anchor < len(self._to_draft)
+                    else len(self._draft_ids))
         picks, top_i, top_v, conf = self.native.draft(
             cache.k, cache.v, self.embed(torch.tensor([anchor]))[0].float(), cache.length, prev,
             self.shortlist, self.topk, noise)
@@ -258,34 +267,135 @@ class Drafter:
         logits = m.logits(hidden).float()  # [B, V_d]
         if noise is not None:
             logits += noise
-        # The Markov bias is low-rank and moves a row's ranking only near its top, so it is
-        # applied to each row's `shortlist` best backbone candidates instead of all V_d: seven
-        # [V_d x r] matvecs cost a quarter of the draft on this CPU, seven [64 x r] nothing.
-        short_v, short_i = logits.topk(min(self.shortlist, logits.shape[1]), -1)
-        prev = int(m.to_draft(anchor_t))
-        picks = torch.empty(B, dtype=torch.long)
-        pick_j = torch.empty(B, dtype=torch.long)
-        prev_emb = torch.empty(B, self._w1.shape[1])
-        for i in range(B):  # the Markov head runs along the picks
-            e = self._w1[prev]
-            prev_emb[i] = e
-            short_v[i] += self._w2[short_i[i]] @ e
-            pick_j[i] = int(short_v[i].argmax())
-            prev = int(short_i[i, pick_j[i]])
-            picks[i] = prev
-        top_v, top_j = short_v.topk(self.topk, -1)
-        # On a tie topk may list another candidate first; the pick must lead its row (same
-        # value, so swapping the two columns changes nothing else).
-        for i in torch.nonzero(top_j[:, 0] != pick_j).flatten().tolist():
-            at = torch.nonzero(top_j[i] == pick_j[i]).flatten()
-            if at.numel():  # else a tie left the pick out of the top-K: it takes column 0
-                top_j[i, int(at[0])] = top_j[i, 0]
-            top_j[i, 0] = pick_j[i]
-        top_i = short_i.gather(1, top_j)
-        conf = m.confidence_logit(hidden.float(), prev_emb) / self._temperature
+        chain = markov_chain(logits, self._w1, self._w2, self._w2_max,
+                             int(m.markov_key(anchor_t)), self._key_of_pick, self.shortlist,
+                             self.topk, self._bound)
+        conf = m.confidence_logit(hidden.float(), chain.prev_emb) / self._temperature
         return DraftBlock(
-            picks=m.draft_ids[picks].numpy(),
-            topk_ids=m.draft_ids[top_i].numpy(),
-            topk_logits=top_v.numpy(),  # float32
+            picks=m.draft_ids[chain.picks].numpy(),
+            topk_ids=m.draft_ids[chain.top_i].numpy(),
+            topk_logits=chain.top_v.numpy(),  # float32
             head=torch.sigmoid(conf).numpy(),
         )
+
+
+MARKOV_BASIS = 8  # W2's top directions the exactness bound computes exactly (markov_bound)
+
+
+class MarkovBound(NamedTuple):
+    """What markov_chain's per-candidate cap needs, precomputed once: basis [r, K] (W2's top
+    right singular directions, orthonormal), proj [K, V_d] = (W2 basis)^T, res [V_d] the norm
+    of each W2 row's part outside the basis and norms [V_d] each row's norm (both rounded up)."""
+    basis: torch.Tensor
+    proj: torch.Tensor
+    res: torch.Tensor
+    norms: torch.Tensor
+
+
+def markov_bound(w2: torch.Tensor, k: int = MARKOV_BASIS, chunk: int = 32768) -> MarkovBound:
+    """The bound's tables for W2 [V_d, r]: a trained W2 has a few dominant directions (the
+    shipped one: singular values 279, 34, 23, 20, ... 3.4), so w2_j.e = (w2_j B).(B^T e) +
+    rest_j.rest_e, whose second term is small next to Cauchy-Schwarz on the whole row."""
+    w = w2.detach().double()
+    k = min(k, w.shape[1])
+    gram = sum(w[i:i + chunk].T @ w[i:i + chunk] for i in range(0, len(w), chunk))
+    basis = torch.linalg.eigh(gram).eigenvectors[:, -k:]  # ascending: the top k last
+    proj, res, norms = [], [], []
+    for i in range(0, len(w), chunk):
+        part = w[i:i + chunk]
+        p = part @ basis
+        proj.append(p)
+        res.append((part - p @ basis.T).norm(dim=1))
+        norms.append(part.norm(dim=1))
+    up = 1 + 2.0**-20  # float32 storage rounds down at most 2^-24: the caps stay caps
+    return MarkovBound(basis.float().contiguous(), torch.cat(proj).T.float().contiguous(),
+                       (torch.cat(res) * up).float(), (torch.cat(norms) * up).float())
+
+
+def _reaching(logits_row: torch.Tensor, e: torch.Tensor, bound: MarkovBound, best: float
+              ) -> torch.Tensor:
+    """The candidates whose cap on their biased logit reaches `best` (any that could win)."""
+    return torch.nonzero(markov_caps(logits_row, e, bound) >= best).flatten()
+
+
+def markov_caps(logits_row: torch.Tensor, e: torch.Tensor, bound: MarkovBound) -> torch.Tensor:
+    """Per candidate j, a cap on its biased logit as the exact path computes it in float32,
+    logit_j + w2_j.e: (w2_j B).(B^T e) + |rest of w2_j| |rest of e| (Cauchy-Schwarz on the
+    parts outside the basis B), plus (r + 2K + 8) 2^-24 (|logit_j| + 2 |w2_j| |e|) for the
+    rounding of this float pass and of the exact path's r-term dot and add (generous)."""
+    basis = bound.basis.double()
+    e64 = e.double()
+    pe = basis.T @ e64
+    up = 1 + 2.0**-20
+    re_ = float((e64 - basis @ pe).norm()) * up
+    en = float(e64.norm()) * up
+    r, k = len(e), basis.shape[1]
+    c = (r + 2 * k + 8) * 2.0**-24  # this float pass's rounding and the exact path's
+    return (logits_row + c * logits_row.abs() + pe.float() @ bound.proj + bound.res * re_
+            + bound.norms * (2 * c * en))
+
+
+class Chain(NamedTuple):
+    picks: torch.Tensor  # [B] draft indices
+    top_i: torch.Tensor  # [B, K] draft indices, the pick first
+    top_v: torch.Tensor  # [B, K] their biased logits
+    prev_emb: torch.Tensor  # [B, r] W1 row of each row's previous token
+
+
+def shortlist_is_exact(best: float, last_short: float, w2_max: float, e_norm: float,
+                       rank: int) -> bool:
+    """Whether a row's best Markov-biased shortlist logit beats every candidate outside the
+    shortlist. An outside candidate j has base_j <= last_short (the shortlist holds the best
+    base logits) and bias w2_j.e <= |w2_j| |e| <= w2_max |e| (Cauchy-Schwarz); its float value
+    exceeds that by at most the rounding of an r-term dot and one add (rank * 2^-23 of
+    |w2_j||e|, 2^-22 of the sum, both generous). Strictly above the cap: no outside candidate
+    can reach the pick, not even to tie it."""
+    bias_cap = w2_max * e_norm * (1.0 + rank * 2.0**-23)
+    cap = last_short + bias_cap
+    return best > cap + 2.0**-22 * (abs(last_short) + bias_cap)
+
+
+def markov_chain(logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w2_max: float,
+                 first_key: int, key_of_pick: torch.Tensor | None, shortlist: int,
+                 topk: int, bound: MarkovBound | None = None) -> Chain:
+    """The Markov head along the picks: row i's logits plus W2 W1[previous], its pick the exact
+    argmax over the whole draft vocabulary (ties to the lower index), as the peers compute it.
+    The bias is applied to each row's `shortlist` best backbone candidates only (seven
+    [V_d x r] matvecs cost a quarter of the draft on this CPU) where shortlist_is_exact proves
+    no other candidate can win; else, with `bound`, to the shortlist and every candidate whose
+    cap (_reaching: exact along W2's top directions, Cauchy-Schwarz on the rest) reaches the
+    shortlist's best (the shipped drafter: some 100 of 8192), else to every candidate.
+    first_key: W1's row of the anchor; key_of_pick: W1's row of each draft index (None: the
+    index itself)."""
+    B, V = logits.shape
+    S = min(shortlist, V)
+    short_v, short_i = logits.topk(S, -1)
+    prev = first_key
+    picks = torch.empty(B, dtype=torch.long)
+    K = min(topk, V)
+    top_i = torch.empty(B, K, dtype=torch.long)
+    top_v = torch.empty(B, K)
+    prev_emb = torch.empty(B, w1.shape[1])
+    for i in range(B):
+        e = w1[prev]
+        prev_emb[i] = e
+        cand, vals = short_i[i], short_v[i] + w2[short_i[i]] @ e
+        if S < V and not shortlist_is_exact(float(vals.max()), float(short_v[i, -1]), w2_max,
+                                            float(e.norm()), w1.shape[1]):
+            if bound is None:
+                cand, vals = torch.arange(V), logits[i] + w2 @ e
+            else:
+                reach = _reaching(logits[i], e, bound, float(vals.max()))
+                extra = reach[~torch.isin(reach, cand)]
+                if len(extra):
+                    cand = torch.cat([cand, extra])
+                    vals = logits[i, cand] + w2[cand] @ e
+        # best first, ties to the lower index: sort by index, then stably by value
+        by_id = torch.argsort(cand)
+        order = by_id[torch.sort(vals[by_id], descending=True, stable=True).indices[:K]]
+        if len(order) < K:  # a shortlist shorter than K (tiny vocabularies)
+            order = torch.cat([order, order[-1:].expand(K - len(order))])
+        top_i[i], top_v[i] = cand[order], vals[order]
+        picks[i] = int(cand[order[0]])
+        prev = int(picks[i]) if key_of_pick is None else int(key_of_pick[picks[i]])
+    return Chain(picks, top_i, top_v, prev_emb)

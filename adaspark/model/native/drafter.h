@@ -53,6 +53,8 @@ class PhaseClock {
 struct DraftLayer {
   torch::Tensor attn_norm, ffn_norm;
   QWeight qkv, kv, o, gate_up, down;  // kv: the k|v rows of qkv alone, for context features
+  torch::Tensor q_norm, k_norm;       // per-head RMSNorm weights [head_dim] before RoPE, or empty
+  float qk_eps;                       // their epsilon (drafter/native.py rescales q/k rows)
 };
 
 // fc's dots, y[r * ldy + o] = vdot(x row r, w row o) for rows [0, rows) and outputs [o0, o1):
@@ -217,8 +219,15 @@ class Drafter {
                 "head_dim must be 2, 4, 8 or 16 times ", W, " and dim a multiple of ", W);
     TORCH_CHECK(n_heads % n_kv_heads == 0, "heads must be a multiple of kv heads");
     TORCH_CHECK(w1_.dim() == 2 && w2_.dim() == 2 && w1_.size(1) == w2_.size(1) &&
-                    w2_.size(0) == head_.n && w1_.size(0) == head_.n + 1,
-                "Markov weights must be w1 [V_d+1, r], w2 [V_d, r]");
+                    w2_.size(0) == head_.n && w1_.size(0) >= 1,
+                "Markov weights must be w1 [keys, r], w2 [V_d, r]");
+    // the largest |W2 row|: caps any candidate's Markov bias (markov()'s exact shortlist)
+    const float* w2p = w2_.data_ptr<float>();
+    for (int64_t j = 0; j < w2_.size(0); ++j) {
+      double s2 = 0.0;
+      for (int64_t i = 0; i < w2_.size(1); ++i) s2 += double(w2p[j * w2_.size(1) + i]) * w2p[j * w2_.size(1) + i];
+      w2_max_ = std::max(w2_max_, std::sqrt(s2));
+    }
     TORCH_CHECK(conf_.numel() == dim_ + w1_.size(1) && temp_.numel() == block_,
                 "confidence [dim + r], temperature [block]");
     TORCH_CHECK((fc_.scalar_type() == torch::kFloat || fc_.scalar_type() == torch::kHalf) &&
@@ -226,11 +235,48 @@ class Drafter {
                 "fc must be float32 or float16 [dim, taps*dim]");
   }
 
+  // q_norm / k_norm: per-head RMSNorm weights [head_dim] applied before RoPE, or empty;
+  // qk_eps their epsilon (negative: the model's).
   void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm, QWeight qkv, QWeight kv,
-                 QWeight o, QWeight gate_up, QWeight down) {
+                 QWeight o, QWeight gate_up, QWeight down, torch::Tensor q_norm,
+                 torch::Tensor k_norm, double qk_eps) {
+    for (const auto* t : {&q_norm, &k_norm})
+      TORCH_CHECK(t->numel() == 0 || (t->numel() == hs_.hd && t->scalar_type() == torch::kFloat),
+                  "q/k norms must be float32 [head_dim] or empty");
     layers_.push_back(DraftLayer{attn_norm.contiguous(), ffn_norm.contiguous(), std::move(qkv),
                                  std::move(kv), std::move(o), std::move(gate_up),
-                                 std::move(down)});
+                                 std::move(down), q_norm.contiguous(), k_norm.contiguous(),
+                                 qk_eps < 0 ? eps_ : static_cast<float>(qk_eps)});
+  }
+
+  // The Markov exactness bound's precomputation (runtime.markov_bound): basis [r, K] of W2's
+  // top right singular directions, proj [K, V_d] = (W2 basis)^T, res [V_d] |W2 row - its part
+  // in the basis| and norms [V_d] |W2 row|, both rounded up. Without it a shortlist that the
+  // plain Cauchy-Schwarz cap cannot prove falls back to every candidate.
+  void set_markov_bound(torch::Tensor basis, torch::Tensor proj, torch::Tensor res,
+                        torch::Tensor norms) {
+    const int64_t r = w1_.size(1), K = basis.dim() == 2 ? basis.size(1) : 0, V = head_.n;
+    TORCH_CHECK(basis.scalar_type() == torch::kFloat && basis.size(0) == r && K >= 1 && K <= 64,
+                "basis must be float32 [r, K], K in 1..64");
+    TORCH_CHECK(proj.scalar_type() == torch::kFloat && proj.dim() == 2 && proj.size(0) == K &&
+                    proj.size(1) == V && res.numel() == V && norms.numel() == V &&
+                    res.scalar_type() == torch::kFloat && norms.scalar_type() == torch::kFloat,
+                "proj [K, V_d], res and norms [V_d], float32");
+    mb_basis_ = basis.contiguous();
+    mb_proj_ = proj.contiguous();
+    mb_res_ = res.contiguous();
+    mb_norm_ = norms.contiguous();
+    mb_k_ = K;
+  }
+
+  // The Markov head's W1 rows when it is keyed by target id (the peers' form): pick_keys [V_d]
+  // the row of each draft index (its target id), and draft_token() keys the anchor by its id.
+  void set_markov_keys(torch::Tensor pick_keys) {
+    TORCH_CHECK(pick_keys.numel() == head_.n, "pick_keys must have V_d entries");
+    pick_keys_ = pick_keys.to(torch::kLong).contiguous();
+    const int64_t* k = pick_keys_.data_ptr<int64_t>();
+    for (int64_t j = 0; j < head_.n; ++j)
+      TORCH_CHECK(k[j] >= 0 && k[j] < w1_.size(0), "a pick's W1 row is out of range");
   }
 
   // taps [n, taps*dim] of tokens at positions start..start+n-1: their context features'
@@ -271,9 +317,14 @@ class Drafter {
         float* row = kv.data() + r * 2 * kvw;
         const int64_t p = start + r;
         TORCH_CHECK(p < cos_.size(0), "position past the rope table");
-        for (int64_t g = 0; g < hs_.kv_heads; ++g)
+        const torch::Tensor& kn = layers_[li].k_norm;
+        for (int64_t g = 0; g < hs_.kv_heads; ++g) {
+          if (kn.numel())
+            rms_norm_rows(row + g * hs_.hd, kn.data_ptr<float>(), row + g * hs_.hd, 1, hs_.hd,
+                          layers_[li].qk_eps);
           rope_pairs(row + g * hs_.hd, cos_.data_ptr<float>() + p * half,
                      sin_.data_ptr<float>() + p * half, half);
+        }
         store_kv(hs_, row, row + kvw, kl, vl, p, capacity);
       }
       clock_.mark(PhaseClock::context_store);
@@ -333,8 +384,9 @@ class Drafter {
     TORCH_CHECK(embedding_.has_value(), "set_vocab() first");
     TORCH_CHECK(anchor >= 0 && anchor < embedding_->n, "anchor id out of the vocabulary");
     embedding_->row(anchor, anchor_row_.data_ptr<float>());
-    const int64_t prev = anchor < to_draft_.numel() ? to_draft_.data_ptr<int64_t>()[anchor]
-                                                    : head_.n;
+    const int64_t prev = pick_keys_.defined() ? anchor  // W1 keyed by target id
+                         : anchor < to_draft_.numel() ? to_draft_.data_ptr<int64_t>()[anchor]
+                                                      : head_.n;
     auto out = draft(cache_k, cache_v, anchor_row_, start, prev, shortlist, topk, noise);
     const int64_t* ids = draft_ids_.data_ptr<int64_t>();
     for (int i = 0; i < 2; ++i) {
@@ -389,8 +441,13 @@ class Drafter {
         float* row = qkv.data() + r * qkvw;
         const float* cs = cos_.data_ptr<float>() + (start + r) * half;
         const float* sn = sin_.data_ptr<float>() + (start + r) * half;
-        for (int64_t hh = 0; hh < hs_.heads + hs_.kv_heads; ++hh)
+        for (int64_t hh = 0; hh < hs_.heads + hs_.kv_heads; ++hh) {
+          const torch::Tensor& norm = hh < hs_.heads ? ly.q_norm : ly.k_norm;
+          if (norm.numel())
+            rms_norm_rows(row + hh * hs_.hd, norm.data_ptr<float>(), row + hh * hs_.hd, 1, hs_.hd,
+                          ly.qk_eps);
           rope_pairs(row + hh * hs_.hd, cs, sn, half);
+        }
         store_kv(hs_, row + qw, row + qw + kvw, kl, vl, start + r, capacity);
       }
       clock_.mark(PhaseClock::block_rope);
@@ -422,7 +479,7 @@ class Drafter {
     TORCH_CHECK(hidden.sizes() == torch::IntArrayRef({B, dim_}) &&
                     logits.sizes() == torch::IntArrayRef({B, V}),
                 "hidden [block, dim] and logits [block, V_d]");
-    TORCH_CHECK(prev >= 0 && prev <= V, "previous token out of the draft vocabulary + 1");
+    TORCH_CHECK(prev >= 0 && prev < w1_.size(0), "previous token's W1 row out of range");
     const int64_t S = std::min(shortlist, V), K = std::min(topk, S);
     TORCH_CHECK(K >= 1, "topk and shortlist must be at least 1");
     hidden = hidden.contiguous();
@@ -434,9 +491,9 @@ class Drafter {
     const float* w1 = w1_.data_ptr<float>();
     const float* w2 = w2_.data_ptr<float>();
     const float* cw = conf_.data_ptr<float>();
-    std::vector<int64_t> order(S);
-    std::vector<float> sv(S);
-    std::vector<const float*> rows(S);
+    std::vector<int64_t> order;
+    std::vector<float> sv;
+    std::vector<const float*> rows;
     clock_.start();
     // best first, ties to the lower index: one ranking everywhere
     shortlists_.resize(B);
@@ -452,21 +509,102 @@ class Drafter {
       for (int64_t i = 0; i < B; ++i) shortlist_row(i);
     }
     clock_.mark(PhaseClock::shortlist);
+    if (static_cast<int64_t>(all_.size()) != V) {
+      all_.resize(V);
+      std::iota(all_.begin(), all_.end(), 0);
+    }
+    // sv[j] = lr[cand[j]] + w2[cand[j]].e over candidates cand (a plain loop's float steps)
+    auto biased = [&](const std::vector<int64_t>& cand, const float* lr, const float* e) {
+      const int64_t n = static_cast<int64_t>(cand.size());
+      sv.resize(n);
+      if (r % 8 == 0) {
+        rows.resize(n);
+        for (int64_t j = 0; j < n; ++j) rows[j] = w2 + cand[j] * r;
+        ordered_dots(rows.data(), n, e, r, sv.data());
+        for (int64_t j = 0; j < n; ++j) sv[j] = lr[cand[j]] + sv[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j) sv[j] = lr[cand[j]] + dot(w2 + cand[j] * r, e, r);
+      }
+    };
+    const int64_t* pick_keys = pick_keys_.defined() ? pick_keys_.data_ptr<int64_t>() : nullptr;
     for (int64_t i = 0; i < B; ++i) {
       const float* lr = logits.data_ptr<float>() + i * V;
-      const std::vector<int64_t>& idx = shortlists_[i].idx;
       const float* e = w1 + prev * r;
-      if (r % 8 == 0) {
-        for (int64_t j = 0; j < S; ++j) rows[j] = w2 + idx[j] * r;
-        ordered_dots(rows.data(), S, e, r, sv.data());
-        for (int64_t j = 0; j < S; ++j) sv[j] = lr[idx[j]] + sv[j];
-      } else {
-        for (int64_t j = 0; j < S; ++j) sv[j] = lr[idx[j]] + dot(w2 + idx[j] * r, e, r);
+      const std::vector<int64_t>* cand = &shortlists_[i].idx;
+      biased(*cand, lr, e);
+      if (S < V) {
+        // Exact or full: an outside candidate has a base logit <= the shortlist's last and a
+        // bias <= |w2 row| |e| (Cauchy-Schwarz), plus the float rounding of an r-term dot and
+        // an add (generous factors); a best strictly above that cap is the argmax of all V.
+        double e2 = 0.0;
+        for (int64_t k = 0; k < r; ++k) e2 += double(e[k]) * e[k];
+        const double bias_cap = w2_max_ * std::sqrt(e2) * (1.0 + r * 0x1p-23);
+        const double last = lr[(*cand)[S - 1]];
+        const double cap = last + bias_cap + 0x1p-22 * (std::abs(last) + bias_cap);
+        const float best = *std::max_element(sv.begin(), sv.end());
+        if (!(best > cap) && mb_k_ > 0) {
+          // Per candidate: w2_j.e = (P_j).(B^T e) + (its rest).(e's rest) <= P_j.pe + res_j re
+          // (Cauchy-Schwarz on the part outside W2's top directions, where little is left),
+          // plus slack for this pass's float rounding and the exact path's (an r-term dot and
+          // an add: (r + 2K + 8) 2^-24 of |base| + 2 |w2_j| |e|, generous). Candidates whose cap
+          // reaches the shortlist's best join it and are computed exactly; no other can win.
+          const int64_t Kb = mb_k_;
+          const float* basis = mb_basis_.data_ptr<float>();
+          double pe[64], re2 = 0.0;
+          for (int64_t q = 0; q < Kb; ++q) {
+            double acc = 0.0;
+            for (int64_t k = 0; k < r; ++k) acc += double(e[k]) * basis[k * Kb + q];
+            pe[q] = acc;
+          }
+          for (int64_t k = 0; k < r; ++k) {
+            double rest = e[k];
+            for (int64_t q = 0; q < Kb; ++q) rest -= basis[k * Kb + q] * pe[q];
+            re2 += rest * rest;
+          }
+          const float re = static_cast<float>(std::sqrt(re2) * (1 + 0x1p-20));
+          const float en = static_cast<float>(std::sqrt(e2) * (1 + 0x1p-20));
+          const float c = static_cast<float>(r + 2 * Kb + 8) * 0x1p-24f;
+          in_short_.assign(V, 0);
+          for (int64_t j : *cand) in_short_[j] = 1;
+          merged_.assign(cand->begin(), cand->end());
+          const float *proj = mb_proj_.data_ptr<float>(), *res = mb_res_.data_ptr<float>(),
+                      *nrm = mb_norm_.data_ptr<float>();
+          auto reaches = [&](int64_t j) {
+            if (!in_short_[j]) merged_.push_back(j);
+          };
+          const vf vbest = vset1(best), vc = vset1(c), vre = vset1(re), v2cen = vset1(2 * c * en);
+          int64_t j = 0;
+          for (; j + W <= V; j += W) {
+            const vf l = vload(lr + j);
+            vf capv = vfma(vc, vabs(l), l);
+            for (int64_t q = 0; q < Kb; ++q)
+              capv = vfma(vload(proj + q * V + j), vset1(static_cast<float>(pe[q])), capv);
+            capv = vfma(vload(res + j), vre, capv);
+            capv = vfma(vload(nrm + j), v2cen, capv);
+            for (unsigned bits = vge_mask(capv, vbest); bits; bits &= bits - 1)
+              reaches(j + __builtin_ctz(bits));
+          }
+          for (; j < V; ++j) {
+            float capj = lr[j] + c * std::abs(lr[j]);
+            for (int64_t q = 0; q < Kb; ++q) capj += proj[q * V + j] * static_cast<float>(pe[q]);
+            capj += res[j] * re + nrm[j] * 2 * c * en;
+            if (capj >= best) reaches(j);
+          }
+          if (merged_.size() > cand->size()) {
+            cand = &merged_;
+            biased(merged_, lr, e);
+          }
+        } else if (!(best > cap)) {
+          cand = &all_;
+          biased(all_, lr, e);
+        }
       }
       clock_.mark(PhaseClock::markov);
+      const std::vector<int64_t>& idx = *cand;
+      order.resize(idx.size());
       std::iota(order.begin(), order.end(), 0);
-      auto by_value = [&](int64_t a, int64_t b) {
-        return sv[a] > sv[b] || (sv[a] == sv[b] && a < b);
+      auto by_value = [&](int64_t a, int64_t b) {  // best first, ties to the lower index
+        return sv[a] > sv[b] || (sv[a] == sv[b] && idx[a] < idx[b]);
       };
       std::partial_sort(order.begin(), order.begin() + K, order.end(), by_value);
       for (int64_t j = 0; j < K; ++j) {
@@ -477,8 +615,8 @@ class Drafter {
       const float c = dot(cw, hidden.data_ptr<float>() + i * dim_, dim_) + dot(cw + dim_, e, r) +
                       conf_bias_;
       conf.data_ptr<float>()[i] = 1.0f / (1.0f + std::exp(-c / temp_.data_ptr<float>()[i]));
-      prev = idx[order[0]];
-      picks.data_ptr<int64_t>()[i] = prev;
+      picks.data_ptr<int64_t>()[i] = idx[order[0]];
+      prev = pick_keys ? pick_keys[idx[order[0]]] : idx[order[0]];
       clock_.mark(PhaseClock::confidence);
     }
     return {picks, top_ids, top_v, conf};
@@ -526,6 +664,13 @@ class Drafter {
   } scratch_;
   torch::Tensor hidden_, logits_;  // draft()'s backbone rows
   PhaseClock clock_;
+  double w2_max_ = 0.0;  // the largest |W2 row|
+  torch::Tensor pick_keys_;  // set_markov_keys()'s, or undefined: W1 keyed by draft index
+  std::vector<int64_t> all_;  // 0..V_d-1: every candidate, where a shortlist is not exact
+  torch::Tensor mb_basis_, mb_proj_, mb_res_, mb_norm_;  // set_markov_bound()'s
+  int64_t mb_k_ = 0;
+  std::vector<uint8_t> in_short_;  // the shortlist's members, marked
+  std::vector<int64_t> merged_;    // the shortlist and the candidates its bound cannot exclude
   std::optional<QWeight> embedding_;  // set_vocab()'s
   torch::Tensor to_draft_, draft_ids_, anchor_row_;
   struct Shortlist {  // a row's shortlist and its scratch, kept between calls

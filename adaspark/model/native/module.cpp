@@ -101,7 +101,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor,
                     torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, QWeight,
                     torch::Tensor, torch::Tensor, torch::Tensor, double, torch::Tensor>())
-      .def("add_layer", &Drafter::add_layer)
+      .def("add_layer", &Drafter::add_layer, py::arg("attn_norm"), py::arg("ffn_norm"),
+           py::arg("qkv"), py::arg("kv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("q_norm") = torch::empty({0}), py::arg("k_norm") = torch::empty({0}),
+           py::arg("qk_eps") = -1.0)
+      .def("set_markov_keys", &Drafter::set_markov_keys)
+      .def("set_markov_bound", &Drafter::set_markov_bound)
       .def("append", &Drafter::append, py::call_guard<py::gil_scoped_release>())
       .def("backbone", &Drafter::backbone, py::call_guard<py::gil_scoped_release>())
       .def("markov", &Drafter::markov, py::call_guard<py::gil_scoped_release>())

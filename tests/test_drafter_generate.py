@@ -125,3 +125,26 @@ def test_ids_are_stored_compactly(full_run):
     out, *_ = full_run
     with np.load(shard_paths(out)[0]) as a:
         assert a["tokens"].dtype == np.uint16  # a 49,152-token vocabulary fits
+
+
+def test_gen_data_command_stops_at_its_budget_resumes_and_reports(tmp_path, capsys):
+    import json
+
+    from adaspark import cli
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("\n".join(json.dumps({"source": c.source, "turns": list(c.turns)})
+                              for c in POOL[:3]) + "\n")
+    out = tmp_path / "replies"
+    argv = ["gen-data", "--out", str(out), "--pool", str(pool), "--max-new", "6",
+            "--max-prompt-tokens", "120", "--concurrency", "2", "--shard-size", "2",
+            "--threads", "1", "--json"]
+    assert cli.main([*argv, "--time-budget", "0"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert (first["stopped"], first["replies"], first["directory"]["records"]) == ("budget", 0, 0)
+    assert cli.main(argv) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["stopped"] == "done" and done["replies"] == 6  # 2 + 1 + 3 turns
+    assert done["tok_s"] > 0 and done["reply_tokens"] == done["directory"]["reply_tokens"]
+    assert done["directory"]["later_turns"] == 3
+    assert cli.main(["gen-data", "--out", str(out), "--pool", str(tmp_path / "none")]) == 2

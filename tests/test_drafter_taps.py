@@ -13,7 +13,7 @@ from adaspark.drafter import taps as taps_module
 from adaspark.drafter.generate import GenSettings, ReplyGenerator
 from adaspark.drafter.loss import make_batch
 from adaspark.drafter.pool import Conversation
-from adaspark.drafter.replies import read_records
+from adaspark.drafter.replies import read_records, target_fingerprint
 from adaspark.drafter.shards import read_shards, shard_path
 from adaspark.drafter.taps import sequences_from_records, write_tap_shards
 from adaspark.engine import Engine
@@ -21,7 +21,6 @@ from adaspark.model.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-TARGET = {"model_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "sha256": "test"}
 TAPS = [27, 1, 14]  # any order: the sequences keep it
 POOL = [Conversation("a", ("Name three colours.", "And three animals?")),
         Conversation("b", ("Write a haiku about the sea.",)),
@@ -29,10 +28,15 @@ POOL = [Conversation("a", ("Name three colours.", "And three animals?")),
 
 
 @pytest.fixture(scope="module")
-def replies(fast_model, model_path, tmp_path_factory):
+def fingerprint(model_path):
+    return target_fingerprint(model_path)
+
+
+@pytest.fixture(scope="module")
+def replies(fast_model, model_path, fingerprint, tmp_path_factory):
     out = tmp_path_factory.mktemp("replies")
     engine = Engine(fast_model, Tokenizer.from_gguf(model_path), model_path)
-    ReplyGenerator(engine, POOL, out, TARGET,
+    ReplyGenerator(engine, POOL, out, fingerprint,
                    GenSettings(max_new=12, max_prompt_tokens=120, concurrency=3,
                                shard_size=3)).run()
     return out
@@ -47,8 +51,8 @@ def own_forward(target, tokens):
                              return_logits=True)
 
 
-def test_taps_and_topk_are_the_sequences_own_rows(fast_model, replies):
-    records = read_records(replies, TARGET)
+def test_taps_and_topk_are_the_sequences_own_rows(fast_model, replies, fingerprint):
+    records = read_records(replies, fingerprint)
     seqs = sequences_from_records(fast_model, records, TAPS, topk=8, max_rows=256)
     assert len(seqs) == len(records) == 4
     for r, s in zip(records, seqs, strict=True):
@@ -66,8 +70,8 @@ def test_taps_and_topk_are_the_sequences_own_rows(fast_model, replies):
     assert len(taps_module._groups(records, 256)) < len(records)  # shared calls were made
 
 
-def test_long_sequences_run_in_chunks(fast_model, replies, monkeypatch):
-    records = read_records(replies, TARGET)
+def test_long_sequences_run_in_chunks(fast_model, replies, fingerprint, monkeypatch):
+    records = read_records(replies, fingerprint)
     whole = sequences_from_records(fast_model, records, TAPS, topk=4)
     monkeypatch.setattr(taps_module, "PREFILL_CHUNK", 16)  # every prompt spans chunks
     assert all(len(r.tokens) > 40 for r in records)
@@ -79,12 +83,12 @@ def test_long_sequences_run_in_chunks(fast_model, replies, monkeypatch):
         assert (a.top_ids[:, 0] == b.top_ids[:, 0]).mean() >= 0.9
 
 
-def test_tap_shards_by_range_resume_and_train(fast_model, replies, tmp_path):
+def test_tap_shards_by_range_resume_and_train(fast_model, replies, fingerprint, tmp_path):
     work = tmp_path / "train"
-    first = write_tap_shards(fast_model, replies, work, TAPS, TARGET, per_shard=3, topk=4,
+    first = write_tap_shards(fast_model, replies, work, TAPS, fingerprint, per_shard=3, topk=4,
                              shards=[1])
     assert first == [shard_path(work, 1)]  # only the asked-for shard
-    rest = write_tap_shards(fast_model, replies, work, TAPS, TARGET, per_shard=3, topk=4)
+    rest = write_tap_shards(fast_model, replies, work, TAPS, fingerprint, per_shard=3, topk=4)
     assert rest == [shard_path(work, 0)]  # shard 1 was there already
     seqs, stored = read_shards(work, TAPS)
     assert stored == TAPS and len(seqs) == 4
@@ -92,9 +96,9 @@ def test_tap_shards_by_range_resume_and_train(fast_model, replies, tmp_path):
     assert batch is not None and batch.taps.shape[1:] == (3, fast_model.config.dim)
 
 
-def test_torch_path_gives_its_own_rows_too(torch_model, replies):
+def test_torch_path_gives_its_own_rows_too(torch_model, replies, fingerprint):
     """Without the native build (or on CUDA) each sequence runs alone on the torch path."""
-    record = read_records(replies, TARGET)[0]
+    record = read_records(replies, fingerprint)[0]
     s, = sequences_from_records(torch_model, [record], TAPS, topk=4)
     own = own_forward(torch_model, record.tokens)
     want = torch.stack([own.hiddens[t] for t in TAPS], 1).to(torch.float16).numpy()
@@ -111,3 +115,15 @@ def test_prefill_rows_many_refuses_bad_rows(fast_model):
     assert [c.length for c in caches] == [0, 0]
     out = fast_model.prefill_rows_many(caches, [[1, 2], [3]], logits_from=[2, 0])
     assert [len(o.argmax) for o in out] == [0, 1] and [c.length for c in caches] == [2, 1]
+
+
+def test_train_drafter_data_stage_from_reply_shards(replies, tmp_path):
+    from adaspark import cli
+
+    work = tmp_path / "work"
+    assert cli.main(["train-drafter", "--work", str(work), "--replies", str(replies),
+                     "--tap-shards", "0", "--data-only", "--taps", "1,14,27"]) == 0
+    data = work / "data" / "train"
+    assert sorted(p.name for p in data.iterdir()) == [shard_path(data, 0).name]
+    seqs, stored = read_shards(data)
+    assert stored == [1, 14, 27] and len(seqs) == 4  # fewer than 128: one shard holds them

@@ -108,6 +108,13 @@ def read_records(directory: Path, target: dict | None = None) -> list[Record]:
     return [r for p in shard_paths(directory) for r in read_shard(p, target)]
 
 
+def target_fingerprint(model_path: Path) -> dict:
+    """What a shard records of its target: replies of any other model file are refused."""
+    from adaspark.drafter.loading import model_sha256
+
+    return {"model_file": Path(model_path).name, "sha256": model_sha256(Path(model_path))}
+
+
 def totals(records: Iterable[Record]) -> dict:
     records = list(records)
     return {"records": len(records), "reply_tokens": int(sum(r.reply_len for r in records)),

@@ -25,6 +25,7 @@ POOL = [
                        "Why did you stop there?")),
     Conversation("d", ("What is 2 + 2?",)),
     Conversation("e", ("Say hi.",)),
+    Conversation("x", ("Say hi.", "Say it again, louder.")),  # e's opening: its reply reused
 ]
 SETTINGS = GenSettings(max_new=10, max_prompt_tokens=200, concurrency=3, shard_size=2)
 
@@ -64,16 +65,17 @@ def test_every_reply_is_ar_alone_and_later_turns_follow_own_replies(engine, full
     out, report, widths = full_run
     assert max(widths) == SETTINGS.concurrency  # replies decode together, refilled
     records = read_records(out, TARGET)
-    assert report.stopped == "done" and report.records == len(records) == 8  # every turn
+    # every turn once: "Say hi." opens two conversations and runs once
+    assert report.stopped == "done" and report.records == len(records) == 9
     assert report.reply_tokens == sum(r.reply_len for r in records)
-    assert len(shard_paths(out)) == 4  # shards of 2
-    by = {(r.key, r.turn): r for r in records}
+    assert len(shard_paths(out)) == 5  # shards of 2, the last of 1
+    by = {tuple(r.tokens[:r.prompt_len].tolist()): r for r in records}
+    assert len(by) == len(records)
     for conv in POOL:
         replies = []
         for turn in range(len(conv.turns)):
-            r = by[conv.key, turn]
             prompt = engine.tokenizer.encode_chat(conv.messages(turn, replies))
-            assert r.tokens[:r.prompt_len].tolist() == prompt
+            r = by[tuple(prompt)]
             assert r.reply.tolist() == alone(engine, prompt, SETTINGS.max_new)
             assert r.reply_len >= 2
             assert r.finish == ("stop" if r.reply[-1] in engine.tokenizer.stop_ids else "length")
@@ -91,11 +93,11 @@ def test_stopped_run_writes_what_finished_and_resume_completes_it(engine, full_r
     steps = iter(range(1000))
     first = ReplyGenerator(engine, POOL, tmp_path, TARGET, SETTINGS).run(
         stop_now=lambda: next(steps) >= 14)  # a time budget that ends mid-reply
-    assert first.stopped == "budget" and 0 < first.records < 8
+    assert first.stopped == "budget" and 0 < first.records < 9
     assert first.dropped_tokens > 0  # replies were running: dropped, not written
     assert len(read_records(tmp_path, TARGET)) == first.records
     second = ReplyGenerator(engine, POOL, tmp_path, TARGET, SETTINGS).run()
-    assert second.stopped == "done" and first.records + second.records == 8
+    assert second.stopped == "done" and first.records + second.records == 9
 
     def content(d):
         return sorted((r.key, r.turn, r.tokens.tolist(), r.prompt_len, r.finish)

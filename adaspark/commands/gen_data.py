@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_POOLS = [Path("data/drafter/pool.jsonl.gz"), Path("../shared/data/train/prompts.jsonl")]
+# every training prompt is in it already (data/drafter/README.md)
+DEFAULT_POOLS = [Path("data/drafter/pool.jsonl.gz")]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="only these sources (comma-separated prefixes)")
     p.add_argument("--seed", type=int, default=0, help="the pool's order")
     p.add_argument("--max-new", type=int, default=256, help="reply length cap")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048,
+    p.add_argument("--max-prompt-tokens", type=int, default=4096,
                    help="a turn with a longer prompt ends its conversation")
     p.add_argument("--concurrency", type=int, default=16, help="replies decoding at once")
     p.add_argument("--shard-size", type=int, default=256, help="replies per shard")

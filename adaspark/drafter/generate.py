@@ -18,6 +18,7 @@ reply; the replies still running are dropped and run again next time.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -64,6 +65,11 @@ class _Job:
     turn: int
     prompt: list[int]
     earlier: list[Record]  # the conversation's records of turns 0..turn-1
+    digest: bytes  # prompt_digest(prompt)
+
+
+def prompt_digest(prompt: Sequence[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=16).digest()
 
 
 def reply_text(tokenizer, record: Record) -> str:
@@ -94,8 +100,11 @@ class ReplyGenerator:
                             f"context of {engine.context_length}")
         done = read_records(self.out_dir, target)
         self.by_conv: dict[str, dict[int, Record]] = {}
+        self.by_prompt: dict[bytes, Record] = {}  # every reply by its prompt
         for r in done:
             self.by_conv.setdefault(r.key, {})[r.turn] = r
+            self.by_prompt[prompt_digest(r.tokens[:r.prompt_len])] = r
+        self.waiting: dict[bytes, list[Conversation]] = {}  # running prompt -> conversations
         self.stop_ids = set(self.tokenizer.stop_ids)
 
     # --- what runs next ----------------------------------------------------------------------
@@ -109,16 +118,26 @@ class ReplyGenerator:
         return t if t < len(conv.turns) else None
 
     def _job(self, conv: Conversation, report: GenReport) -> _Job | None:
-        turn = self._next_turn(conv)
-        if turn is None:
-            return None
-        earlier = [self.by_conv[conv.key][t] for t in range(turn)]
-        prompt = conv.prompt_ids(self.tokenizer, turn,
-                                 [reply_text(self.tokenizer, r) for r in earlier])
-        if len(prompt) > self.s.max_prompt_tokens:
-            report.skipped += 1
-            return None
-        return _Job(conv, turn, prompt, earlier)
+        """The conversation's next reply to run. A prompt answered already (the same opening
+        turn in several conversations) is not run again: its reply is taken and the
+        conversation goes on; one running now makes the conversation wait for it."""
+        while (turn := self._next_turn(conv)) is not None:
+            earlier = [self.by_conv[conv.key][t] for t in range(turn)]
+            prompt = conv.prompt_ids(self.tokenizer, turn,
+                                     [reply_text(self.tokenizer, r) for r in earlier])
+            if len(prompt) > self.s.max_prompt_tokens:
+                report.skipped += 1
+                return None
+            digest = prompt_digest(prompt)
+            answered = self.by_prompt.get(digest)
+            if answered is None:
+                if digest in self.waiting:  # running: this conversation goes on after it
+                    self.waiting[digest].append(conv)
+                    return None
+                self.waiting[digest] = []
+                return _Job(conv, turn, prompt, earlier, digest)
+            self.by_conv.setdefault(conv.key, {})[turn] = answered
+        return None
 
     def _take(self, report: GenReport) -> _Job | None:
         """The next reply to run: a conversation's next turn as soon as its last reply ended
@@ -144,6 +163,7 @@ class ReplyGenerator:
         engine, batch = self.engine, self.engine.batch
         batch.max_slots = self.s.concurrency
         self.follow: deque[Conversation] = deque()
+        self.waiting = {}  # a stopped run's running prompts are not running now
         self.order = deque([c for c in self.pool if c.key in self.by_conv]
                            + [c for c in self.pool if c.key not in self.by_conv])
         running: dict[int, tuple] = {}  # id(Decode) -> (Decode, _Job)
@@ -184,6 +204,8 @@ class ReplyGenerator:
                         continue
                     record = self._record(job, seq)
                     self.by_conv.setdefault(job.conv.key, {})[job.turn] = record
+                    self.by_prompt[job.digest] = record
+                    self.follow.extend(self.waiting.pop(job.digest))
                     buffer.append(record)
                     report.records += 1
                     report.reply_tokens += record.reply_len
@@ -208,8 +230,9 @@ class ReplyGenerator:
         return Record(job.conv.key, job.turn, job.conv.source,
                       np.asarray(job.prompt + reply, dtype=np.int64), len(job.prompt), finish)
 
-    @staticmethod
-    def _failed(job: _Job, seq, report: GenReport) -> None:
-        report.failed += 1
-        log.warning("reply to %s turn %d failed (%s); its conversation ends there",
-                    job.conv.key, job.turn, seq.error)
+    def _failed(self, job: _Job, seq, report: GenReport) -> None:
+        waiting = self.waiting.pop(job.digest, [])
+        report.failed += 1 + len(waiting)
+        log.warning("reply to %s turn %d failed (%s); its conversation ends there (and %d "
+                    "more that share the prompt)", job.conv.key, job.turn, seq.error,
+                    len(waiting))

@@ -116,7 +116,7 @@ class EvalGuard:
             return False
         if t[:200] in self.heads:
             return True
-        return any((len(e) >= 40 and e in t) or e.startswith(t) or t in e for e in self.turns)
+        return any((len(e) >= 40 and e in t) or t in e for e in self.turns)
 
     @classmethod
     def from_conversations(cls, path: Path) -> EvalGuard:

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "one reply to a prompt (greedy unless --temperature)"),
     "chat": ("chat", "interactive multi-turn chat"),
     "sim": ("sim", "simulate the scheduler on a cost curve, no model"),
+    "gen-data": ("gen_data", "the target's greedy replies for drafter training, batched"),
     "train-drafter": ("train_drafter", "train the DSpark drafter for a target"),
     "eval-drafter": ("eval_drafter", "evaluate a drafter on held-out prompts"),
     "export-drafter": ("export_drafter", "write a drafter in llama.cpp's dflash GGUF format"),

@@ -15,6 +15,15 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _range(text: str) -> list[int]:
+    """'3', '0-39' or '0,5-9' -> the shard indices."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--work", default="runs/drafter", help="work directory (resumable state)")
@@ -30,6 +39,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-shards", type=_ints, default=[0],
                    help="data shards kept out of training for early stopping and temperature "
                         "scaling, e.g. 0,34 (one per prompt mix)")
+    p.add_argument("--replies", help="reply shards of `adaspark gen-data`: the data stage "
+                                      "recomputes their taps instead of generating")
+    p.add_argument("--tap-shards", type=_range,
+                   help="with --replies: only these tap shards, e.g. 0-39 (a training stage's "
+                        "window; 128 replies a shard)")
     p.add_argument("--data-only", action="store_true", help="stop after the data stage")
     p.add_argument("--skip-data", action="store_true",
                    help="train on the shards already in WORK/data/train; generate none")
@@ -87,12 +101,13 @@ def run(args) -> int:
                             weight_decay=args.weight_decay, val_every=args.val_every,
                             ce_weight=args.ce_weight, tv_weight=args.tv_weight),
         minutes=args.minutes,
+        replies=Path(args.replies) if args.replies else None, tap_shards=args.tap_shards,
     )
     if not args.skip_data:
         from adaspark.model.transformer import Transformer
 
         target = Transformer.from_gguf(model_path)
-        pipeline.make_data(settings, target, tokenizer)
+        pipeline.make_data(settings, target, tokenizer, model_path)
         del target
         if args.data_only:
             return 0

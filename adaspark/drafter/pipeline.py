@@ -2,7 +2,9 @@
 
 Every stage leaves its result under the work directory and is skipped when it is already
 there, so the same command resumes a killed run:
-  WORK/data/train/shard_*.safetensors   target replies + hidden states (shard 0 is held out)
+  WORK/data/train/shard_*.safetensors   target replies + hidden states (shard 0 is held out);
+                                        generated here, or with `replies` recomputed from
+                                        `adaspark gen-data`'s reply shards (taps.py)
   WORK/vocab.npy                        draft vocabulary (target ids)
   WORK/train_state.pt                   model + optimiser + step
   WORK/checkpoint/                      the exported drafter (config.json, model.safetensors)
@@ -48,6 +50,8 @@ class PipelineSettings:
     markov_rank: int = 128
     train: TrainSettings = field(default_factory=TrainSettings)
     minutes: float | None = None  # stop training after this long (resume later)
+    replies: Path | None = None  # reply shards (gen-data): the data stage recomputes their taps
+    tap_shards: list[int] | None = None  # with replies: only these tap shards (None: all)
 
 
 def setup_logging(work: Path) -> None:
@@ -58,11 +62,20 @@ def setup_logging(work: Path) -> None:
     log.setLevel(logging.INFO)
 
 
-def make_data(s: PipelineSettings, target, tokenizer) -> None:
+def make_data(s: PipelineSettings, target, tokenizer, model_path: Path | None = None) -> None:
     from adaspark.drafter.data import generate_shards, load_prompt_items, select_prompts
     from adaspark.drafter.shards import shard_prompts
 
     out_dir = s.work / "data" / "train"
+    if s.replies is not None:  # the replies exist: their taps and top-k logits only
+        from adaspark.drafter.replies import target_fingerprint
+        from adaspark.drafter.taps import write_tap_shards
+
+        if model_path is None:
+            raise ValueError("make_data from reply shards needs the target's model path")
+        write_tap_shards(target, s.replies, out_dir, s.taps, target_fingerprint(model_path),
+                         s.per_shard, shards=s.tap_shards)
+        return
     items = load_prompt_items(s.prompts)
     # only the shards before this run's own, so a resumed run selects the same prompts
     held = shard_prompts(out_dir, s.first_shard)

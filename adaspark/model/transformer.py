@@ -812,6 +812,56 @@ class Transformer:
                                                                               strict=True)}))
         return outs
 
+    def prefill_rows_many(self, caches: Sequence[KVCache], chunks: Sequence[Sequence[int]], *,
+                          logits_from: Sequence[int], tap_layers: Iterable[int] = (),
+                          ) -> list[ForwardOut]:
+        """prefill_many() with the logits of chunk s's rows from row logits_from[s] on, not only
+        its last row's (the target's distribution over a reply: drafter training data, taps.py).
+        The forward is prefill_many's (one native call where the native forward runs), so the
+        taps are those a drafter sees at inference; out.argmax/logits hold the chosen rows."""
+        taps = sorted(set(tap_layers))
+        chunks = [[int(t) for t in chunk] for chunk in chunks]
+        counts = [len(c) for c in chunks]
+        if (len(caches) != len(chunks) or len(logits_from) != len(chunks)
+                or any(not 0 < n <= PREFILL_CHUNK for n in counts)
+                or any(not 0 <= f <= n for f, n in zip(logits_from, counts, strict=True))):
+            raise ValueError(f"prefill_rows_many takes one chunk of 1-{PREFILL_CHUNK} tokens and "
+                             f"a first logits row within it per cache; got {counts}, "
+                             f"{list(logits_from)} for {len(caches)} caches")
+        if self.native is None:
+            outs = []
+            for cache, chunk, first in zip(caches, chunks, logits_from, strict=True):
+                with self.using(cache):
+                    self.cache.check_room(len(chunk))
+                    n = len(chunk)
+                    causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+                    x, hiddens, used = self._rows(chunk, torch.arange(n), causal, taps, None)
+                    self.cache.length += n
+                    out = self._head(x[first:], used, True)
+                out.hiddens = hiddens
+                outs.append(out)
+            return outs
+        x, hiddens = self._native_many(
+            caches, [(c, np.arange(n), np.tri(n, dtype=bool)) for c, n in
+                     zip(chunks, counts, strict=True)], taps)
+        ends = np.cumsum(counts)
+        starts = ends - np.asarray(counts)
+        picked = np.concatenate([np.arange(s + f, e) for s, f, e in
+                                 zip(starts, logits_from, ends, strict=True)])
+        if len(picked):
+            head = self._head(x[torch.as_tensor(picked, dtype=torch.long)], "native", True)
+        else:  # no row asked for: nothing to run the head on
+            head = ForwardOut(torch.zeros(0, dtype=torch.long),
+                              torch.zeros(0, self.config.vocab_size))
+        outs, at = [], 0
+        for cache, s, e, first in zip(caches, starts, ends, logits_from, strict=True):
+            cache.length += int(e - s)
+            m = int(e - s - first)
+            outs.append(ForwardOut(head.argmax[at:at + m], head.logits[at:at + m],
+                                   {i: h[s:e] for i, h in zip(taps, hiddens, strict=True)}))
+            at += m
+        return outs
+
     # --- batched causal paths (drafter training data) --------------------------------------------
 
     def _batch_cache(self, batch: int, capacity: int) -> KVCache:

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_worker import gated_worker
 
 from adaspark.drafter.loading import load_drafter
 from adaspark.engine import Engine
@@ -25,7 +26,7 @@ from adaspark.sampling import SamplingParams
 from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate
 from adaspark.scheduler.round import Scheduler
-from adaspark.server.worker import EngineWorker, Job, QueueFull
+from adaspark.server.worker import Job, QueueFull
 from adaspark.speculative import RoundDecode, Speculator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -347,13 +348,7 @@ def test_the_worker_batches_the_ngram_arm(engine):
         return verify_many(caches, rows, **kw)
 
     engine.target.verify_many = spy
-    gate = threading.Event()
-
-    def load():
-        gate.wait(timeout=60)
-        return engine
-
-    worker = EngineWorker(load, parallel=3, queue_limit=0)
+    worker, gate = gated_worker(engine, parallel=3, queue_limit=0)
     try:
         jobs = [Job(engine.tokenizer.encode_chat(p), 16, []) for p in PROMPTS[:3]]
         futures = [worker.submit(job) for job in jobs]
@@ -538,13 +533,7 @@ def test_the_worker_batches_a_drafting_arm(drafting):
         return verify_many(caches, rows, **kw)
 
     drafting.target.verify_many = spy
-    gate = threading.Event()
-
-    def load():
-        gate.wait(timeout=60)
-        return drafting
-
-    worker = EngineWorker(load, parallel=3, queue_limit=0)
+    worker, gate = gated_worker(drafting, parallel=3, queue_limit=0)
     try:
         futures = [worker.submit(Job(drafting.tokenizer.encode_chat(p), 16, []))
                    for p in PROMPTS[:3]]

@@ -9,15 +9,14 @@ and /health answers 503 with a generic message."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
+from test_worker import gated_worker
 
 from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.scheduler.round import Scheduler
-from adaspark.server.worker import EngineStopped, EngineWorker, Job
+from adaspark.server.worker import EngineStopped, Job
 from adaspark.speculative import RoundDecode, Speculator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -189,13 +188,7 @@ def test_the_default_arm_learns_on_after_a_refit_that_raises(engine, reference, 
 def test_a_bug_past_the_step_catch_all_stops_the_engine_out_loud(engine, reference,
                                                                  monkeypatch):
     """Before: the engine thread died silently and every request waited forever."""
-    gate = threading.Event()
-
-    def load():
-        gate.wait(timeout=300)
-        return engine
-
-    worker = EngineWorker(load, parallel=1, queue_limit=4)
+    worker, gate = gated_worker(engine, parallel=1, queue_limit=4)
     try:
         ids = engine.tokenizer.encode_chat(PROMPTS[0])
         running = worker.submit(Job(ids, 400, []))

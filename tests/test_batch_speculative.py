@@ -17,15 +17,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_speculative import make_engine
 from test_worker import gated_worker
 
 from adaspark.drafter.loading import load_drafter
-from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
 from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate
-from adaspark.scheduler.round import Scheduler
 from adaspark.server.worker import Job, QueueFull
 from adaspark.speculative import RoundDecode, Speculator
 
@@ -42,16 +41,19 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=5, frequenc
                          logprobs=True)
 
 
-@pytest.fixture()
-def engine(fast_model, model_path):
-    """Arm `ngram` (no drafter) on a fresh scheduler, so what it learns is this test's."""
-    tok = Tokenizer.from_gguf(model_path)
-    spec = Speculator(fast_model, None, Scheduler("ngram"), tok.stop_ids)
-    engine = Engine(fast_model, tok, model_path, spec)
-    engine.reset()
+def fresh_engine(fast_model, model_path, arm: str, drafter=None):
+    """A fixture's engine (`yield from` it): `arm` on a fresh scheduler, so what it learns is
+    the test's (test_speculative.make_engine); after the test, one slot and an empty cache."""
+    engine = make_engine((fast_model, Tokenizer.from_gguf(model_path), drafter, model_path), arm)
     yield engine
     engine.batch.max_slots = 1
     engine.reset()
+
+
+@pytest.fixture()
+def engine(fast_model, model_path):
+    """Arm `ngram` (no drafter) on a fresh scheduler, so what it learns is this test's."""
+    yield from fresh_engine(fast_model, model_path, "ngram")
 
 
 DRAFTING = ("adaspark,gate", "adaspark")
@@ -66,13 +68,7 @@ def drafter(fast_model, model_path):
 @pytest.fixture(params=DRAFTING)
 def drafting(request, fast_model, model_path, drafter):
     """A drafting arm on a fresh scheduler and the shipped drafter."""
-    tok = Tokenizer.from_gguf(model_path)
-    spec = Speculator(fast_model, drafter, Scheduler(request.param), tok.stop_ids)
-    engine = Engine(fast_model, tok, model_path, spec)
-    engine.reset()
-    yield engine
-    engine.batch.max_slots = 1
-    engine.reset()
+    yield from fresh_engine(fast_model, model_path, request.param, drafter)
 
 
 def solo(engine, prompt, **kw):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from test_batch_speculative import fresh_engine
 from test_worker import gated_worker
 
 from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
-from adaspark.scheduler.round import Scheduler
 from adaspark.server.worker import EngineStopped, Job
-from adaspark.speculative import RoundDecode, Speculator
+from adaspark.speculative import RoundDecode
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -55,13 +55,7 @@ def drafter(fast_model, model_path):
 @pytest.fixture()
 def engine(fast_model, model_path, drafter):
     """The default arm on a fresh scheduler and the shipped drafter."""
-    tok = Tokenizer.from_gguf(model_path)
-    spec = Speculator(fast_model, drafter, Scheduler("adaspark,gate"), tok.stop_ids)
-    engine = Engine(fast_model, tok, model_path, spec)
-    engine.reset()
-    yield engine
-    engine.batch.max_slots = 1
-    engine.reset()
+    yield from fresh_engine(fast_model, model_path, "adaspark,gate", drafter)
 
 
 def run_together(engine, n: int = 3, **first):

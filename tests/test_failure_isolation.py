@@ -88,8 +88,11 @@ def assert_plain(engine, seqs, reference, skip=()):
 
 
 def broken(what: str):
+    """A stand-in that raises; .calls counts its calls (a fault never hit tests nothing)."""
     def fail(*args, **kwargs):
+        fail.calls += 1
         raise RuntimeError(f"injected: {what}")
+    fail.calls = 0
     return fail
 
 
@@ -142,8 +145,10 @@ def test_a_row_budget_that_raises_verifies_every_plan_whole(engine, reference, m
 
 def test_shared_learning_that_raises_fails_no_request(engine, reference, monkeypatch):
     sched = engine.speculator.scheduler
-    monkeypatch.setattr(sched, "learn_shared_verify", broken("learning the shared verify"))
+    fault = broken("learning the shared verify")
+    monkeypatch.setattr(sched, "learn_shared_verify", fault)
     seqs = run_together(engine)
+    assert fault.calls > 0
     assert_plain(engine, seqs, reference)
 
 
@@ -158,14 +163,15 @@ def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retire
                               on_text=on_text)
     assert engine.batch.add(first)
     slot = first.slot
-    monkeypatch.setattr(slot, "reset", broken("forgetting the slot"))  # ...and failing it raises
+    reset = broken("forgetting the slot")
+    monkeypatch.setattr(slot, "reset", reset)  # ...and failing it raises
     others = [engine.new_decode(engine.tokenizer.encode_chat(p), max_tokens=cap)
               for p, cap in zip(PROMPTS[1:], CAPS[1:], strict=True)]
     for seq in others:
         assert engine.batch.add(seq)
     while engine.batch.running:
         engine.batch.step()
-    assert isinstance(first.error, OSError)
+    assert isinstance(first.error, OSError) and reset.calls > 0
     assert all(s is not slot for s in engine.batch.slots)  # never handed out again
     assert engine.speculator.running == 0  # its request ended on the scheduler too
     assert_plain(engine, [first, *others], reference, skip={0})
@@ -174,8 +180,10 @@ def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retire
 def test_the_default_arm_learns_on_after_a_refit_that_raises(engine, reference, monkeypatch):
     """The end of a request (its refit) raising is logged; the reply stands."""
     sched = engine.speculator.scheduler
-    monkeypatch.setattr(sched, "refit", broken("the refit"))
+    fault = broken("the refit")
+    monkeypatch.setattr(sched, "refit", fault)
     seqs = run_together(engine)
+    assert fault.calls > 0
     assert_plain(engine, seqs, reference)
 
 

@@ -143,13 +143,19 @@ def test_a_row_budget_that_raises_verifies_every_plan_whole(engine, reference, m
     assert_plain(engine, seqs, reference)
 
 
-def test_shared_learning_that_raises_fails_no_request(engine, reference, monkeypatch):
-    sched = engine.speculator.scheduler
-    fault = broken("learning the shared verify")
-    monkeypatch.setattr(sched, "learn_shared_verify", fault)
+def assert_fails_no_request(engine, reference, monkeypatch, owner, name: str) -> None:
+    """owner.name raises wherever it is called: it was called, and every request still ends
+    with plain decoding's tokens."""
+    fault = broken(name)
+    monkeypatch.setattr(owner, name, fault)
     seqs = run_together(engine)
     assert fault.calls > 0
     assert_plain(engine, seqs, reference)
+
+
+def test_shared_learning_that_raises_fails_no_request(engine, reference, monkeypatch):
+    assert_fails_no_request(engine, reference, monkeypatch, engine.speculator.scheduler,
+                            "learn_shared_verify")
 
 
 def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retired(
@@ -179,12 +185,8 @@ def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retire
 
 def test_the_default_arm_learns_on_after_a_refit_that_raises(engine, reference, monkeypatch):
     """The end of a request (its refit) raising is logged; the reply stands."""
-    sched = engine.speculator.scheduler
-    fault = broken("the refit")
-    monkeypatch.setattr(sched, "refit", fault)
-    seqs = run_together(engine)
-    assert fault.calls > 0
-    assert_plain(engine, seqs, reference)
+    assert_fails_no_request(engine, reference, monkeypatch, engine.speculator.scheduler,
+                            "refit")
 
 
 def test_a_bug_past_the_step_catch_all_stops_the_engine_out_loud(engine, reference,

@@ -138,14 +138,13 @@ class Batch:
         self.running = [other for other in self.running if other is not seq]
 
     def _fail(self, seq: Decode, err: BaseException) -> None:
-        """seq.fail(err); where failing raises again (its end-of-request work), `seq` is failed
-        all the same and its slot, whose state is unknown now, leaves the pool."""
+        """seq.fail(err); where failing raises again (its slot's reset, its end-of-request
+        work), `seq` is failed all the same (Decode.fail sets its error first) and its slot,
+        whose state is unknown now, leaves the pool."""
         try:
             seq.fail(err)
         except Exception:
             _log.exception("failing a request raised again; its KV slot is retired")
-            if seq.error is None:
-                seq.error = err
             self.slots = [slot for slot in self.slots if slot is not seq.slot]
 
     def _slot_for(self, prompt: list[int]) -> CachedTokens:

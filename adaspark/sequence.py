@@ -53,21 +53,22 @@ def reusable(slot: CachedTokens, prompt: list[int]) -> int:
     return min(common_prefix(slot.trusted_prefix(), prompt), len(prompt) - 1)
 
 
-def first_token(out: Any, sampler: Sampler | None, prompt_length: int,
-                grammar: GrammarState | None = None) -> int:
-    """The prefill's pick after its last row, which sits at position prompt_length - 1 (under
-    `grammar`, which then advances over it, where the reply has one)."""
+def next_token(argmax: Any, logits: Any, sampler: Sampler | None, position: int,
+               grammar: GrammarState | None = None) -> int:
+    """The pick at `position` after the last of these rows (argmax [rows]; logits [rows, vocab],
+    read only when sampling or under a grammar): its argmax, its seeded sample (recorded for
+    logprobs), or either under `grammar`, which then advances over it (constrained.pick)."""
     if grammar is not None:
-        token, x = constrained.pick(grammar, sampler, out.logits[-1], prompt_length)
+        token, x = constrained.pick(grammar, sampler, logits[-1], position)
         if sampler is not None:
             sampler.record(x, token)
         return token
     if sampler is None:
-        return int(out.argmax[-1])
-    picks, x = sampler.sample(out.logits[-1:], [prompt_length])
-    first = int(picks[0])
-    sampler.record(x[0], first)
-    return first
+        return int(argmax[-1])
+    picks, x = sampler.sample(logits[-1:], [position])
+    token = int(picks[0])
+    sampler.record(x[0], token)
+    return token
 
 
 class Decode:
@@ -134,7 +135,9 @@ class Decode:
         self.slot.commit(chunk)
         self._unfilled = self._unfilled[len(chunk):]
         if not self._unfilled:
-            self.token = first_token(out, self.sampler, len(self.prompt), self.grammar)
+            # the pick after the prompt's last row, which sits at len(prompt) - 1
+            self.token = next_token(out.argmax, out.logits, self.sampler, len(self.prompt),
+                                    self.grammar)
             self._decode_start = time.perf_counter()
             self.timing.prefill_s = self._decode_start - self._start
 
@@ -164,7 +167,7 @@ class Decode:
 
     def row(self) -> tuple[list[int], np.ndarray, np.ndarray]:
         """(tokens, depths, ancestor mask) of this step's row, for Transformer.verify_many."""
-        return [self.token], *ONE_ROW
+        return self.rows()
 
     def rows(self) -> tuple[list[int], np.ndarray, np.ndarray]:
         """This step's rows as they stand (row()'s; a round's plan, cut or whole)."""
@@ -173,23 +176,14 @@ class Decode:
     def take(self, argmax: Any, logits: Any = None, step: Any = None,
              taps: Any = None) -> None:
         """The verified row's output: commit it, pick the next token (argmax [1], numpy;
-        logits [1, vocab] when sampling; step: the shared call, batch.Step, which plain
-        decoding does not learn from; taps: the tapped layers' rows, [1, taps, dim], which only
-        a drafter reads). The row sits at len(slot) - 1 after the commit; its pick one
-        position on."""
+        logits [1, vocab] when its picks read them, needs_logits; step: the shared call,
+        batch.Step, which plain decoding does not learn from; taps: the tapped layers' rows,
+        [1, taps, dim], which only a drafter reads). The row sits at len(slot) - 1 after the
+        commit; its pick one position on (under the grammar, whose state stands after
+        self.token)."""
         self.slot.kv.commit([0])
         self.slot.commit([self.token])
-        if self.grammar is not None:  # the masked pick (its state stands after self.token)
-            self.token, x = constrained.pick(self.grammar, self.sampler, logits[0],
-                                             len(self.slot))
-            if self.sampler is not None:
-                self.sampler.record(x, self.token)
-        elif self.sampler is None:
-            self.token = int(argmax[0])
-        else:
-            picks, x = self.sampler.sample(logits, [len(self.slot)])
-            self.token = int(picks[0])
-            self.sampler.record(x[0], self.token)
+        self.token = next_token(argmax, logits, self.sampler, len(self.slot), self.grammar)
         self.timing.decode_tokens += 1
         self.timing.plain_rounds += 1
         self.timing.verified_rows += 1

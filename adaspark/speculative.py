@@ -462,8 +462,7 @@ class Speculator:
         except UserError as err:
             _log.warning("learned state not saved %s: %s", when, err)
         except Exception:  # noqa: BLE001 - a bug in the merge: the store stays as it was
-            self.store.save_failures += 1
-            _log.exception("learned state not saved %s", when)
+            _log.exception("learned state not saved %s", when)  # (Store.update counted it)
 
     def close(self) -> None:
         """The end of the engine: the refit and the save that waited for other requests (and

@@ -573,7 +573,7 @@ def main(argv=None) -> int:
     rate = args.rate
     with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:
         for arm in arms:
-            if poisson:  # the first arm's solo pass sets the rate every arm then gets
+            if poisson:  # the first arm's calibration pass sets the rate every arm then gets
                 arm_rows, rate = bench_arm_arrivals(arm, requests, args, Path(tmp), rate)
                 rows += arm_rows
             else:

@@ -17,15 +17,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_speculative import make_engine
+from test_worker import gated_worker
 
 from adaspark.drafter.loading import load_drafter
-from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
 from adaspark.scheduler.budget import StepPrice
 from adaspark.scheduler.chooser import BandRate
-from adaspark.scheduler.round import Scheduler
-from adaspark.server.worker import EngineWorker, Job, QueueFull
+from adaspark.server.worker import Job, QueueFull
 from adaspark.speculative import RoundDecode, Speculator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -41,16 +41,19 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=5, frequenc
                          logprobs=True)
 
 
-@pytest.fixture()
-def engine(fast_model, model_path):
-    """Arm `ngram` (no drafter) on a fresh scheduler, so what it learns is this test's."""
-    tok = Tokenizer.from_gguf(model_path)
-    spec = Speculator(fast_model, None, Scheduler("ngram"), tok.stop_ids)
-    engine = Engine(fast_model, tok, model_path, spec)
-    engine.reset()
+def fresh_engine(fast_model, model_path, arm: str, drafter=None):
+    """A fixture's engine (`yield from` it): `arm` on a fresh scheduler, so what it learns is
+    the test's (test_speculative.make_engine); after the test, one slot and an empty cache."""
+    engine = make_engine((fast_model, Tokenizer.from_gguf(model_path), drafter, model_path), arm)
     yield engine
     engine.batch.max_slots = 1
     engine.reset()
+
+
+@pytest.fixture()
+def engine(fast_model, model_path):
+    """Arm `ngram` (no drafter) on a fresh scheduler, so what it learns is this test's."""
+    yield from fresh_engine(fast_model, model_path, "ngram")
 
 
 DRAFTING = ("adaspark,gate", "adaspark")
@@ -65,13 +68,7 @@ def drafter(fast_model, model_path):
 @pytest.fixture(params=DRAFTING)
 def drafting(request, fast_model, model_path, drafter):
     """A drafting arm on a fresh scheduler and the shipped drafter."""
-    tok = Tokenizer.from_gguf(model_path)
-    spec = Speculator(fast_model, drafter, Scheduler(request.param), tok.stop_ids)
-    engine = Engine(fast_model, tok, model_path, spec)
-    engine.reset()
-    yield engine
-    engine.batch.max_slots = 1
-    engine.reset()
+    yield from fresh_engine(fast_model, model_path, request.param, drafter)
 
 
 def solo(engine, prompt, **kw):
@@ -347,13 +344,7 @@ def test_the_worker_batches_the_ngram_arm(engine):
         return verify_many(caches, rows, **kw)
 
     engine.target.verify_many = spy
-    gate = threading.Event()
-
-    def load():
-        gate.wait(timeout=60)
-        return engine
-
-    worker = EngineWorker(load, parallel=3, queue_limit=0)
+    worker, gate = gated_worker(engine, parallel=3, queue_limit=0)
     try:
         jobs = [Job(engine.tokenizer.encode_chat(p), 16, []) for p in PROMPTS[:3]]
         futures = [worker.submit(job) for job in jobs]
@@ -538,13 +529,7 @@ def test_the_worker_batches_a_drafting_arm(drafting):
         return verify_many(caches, rows, **kw)
 
     drafting.target.verify_many = spy
-    gate = threading.Event()
-
-    def load():
-        gate.wait(timeout=60)
-        return drafting
-
-    worker = EngineWorker(load, parallel=3, queue_limit=0)
+    worker, gate = gated_worker(drafting, parallel=3, queue_limit=0)
     try:
         futures = [worker.submit(Job(drafting.tokenizer.encode_chat(p), 16, []))
                    for p in PROMPTS[:3]]

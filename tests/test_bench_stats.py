@@ -172,6 +172,17 @@ def test_plan_arms_passes_plus_modifiers_to_the_server_as_commas():
     assert runs[1].file_stem == "adaspark_plain"
 
 
+def test_an_external_server_cannot_take_an_arms_name():
+    """--url names share the arms' namespace: one of our arms (modifiers joined by '+'
+    included) or a name given twice is refused; any other name is the server's."""
+    for taken in (["ar=http://h:1"], ["adaspark+gate=http://h:1"],
+                  ["llamacpp=http://h:1", "llamacpp=http://h:2"]):
+        with pytest.raises(UserError, match="is taken"):
+            parse_external(taken)
+    assert parse_external(["fast=http://h:1", "http://h:2"]) == {
+        "fast": "http://h:1", "external": "http://h:2"}
+
+
 def test_arm_file_stems_are_distinct():
     labels = ["adaspark", "adaspark:2", "adaspark#2", "tree:2", "adaspark+plain",
               "adaspark:2+plain"]

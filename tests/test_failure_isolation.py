@@ -9,16 +9,15 @@ and /health answers 503 with a generic message."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
+from test_batch_speculative import fresh_engine
+from test_worker import gated_worker
 
 from adaspark.engine import Engine
 from adaspark.model.tokenizer import Tokenizer
-from adaspark.scheduler.round import Scheduler
-from adaspark.server.worker import EngineStopped, EngineWorker, Job
-from adaspark.speculative import RoundDecode, Speculator
+from adaspark.server.worker import EngineStopped, Job
+from adaspark.speculative import RoundDecode
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -56,13 +55,7 @@ def drafter(fast_model, model_path):
 @pytest.fixture()
 def engine(fast_model, model_path, drafter):
     """The default arm on a fresh scheduler and the shipped drafter."""
-    tok = Tokenizer.from_gguf(model_path)
-    spec = Speculator(fast_model, drafter, Scheduler("adaspark,gate"), tok.stop_ids)
-    engine = Engine(fast_model, tok, model_path, spec)
-    engine.reset()
-    yield engine
-    engine.batch.max_slots = 1
-    engine.reset()
+    yield from fresh_engine(fast_model, model_path, "adaspark,gate", drafter)
 
 
 def run_together(engine, n: int = 3, **first):
@@ -95,8 +88,11 @@ def assert_plain(engine, seqs, reference, skip=()):
 
 
 def broken(what: str):
+    """A stand-in that raises; .calls counts its calls (a fault never hit tests nothing)."""
     def fail(*args, **kwargs):
+        fail.calls += 1
         raise RuntimeError(f"injected: {what}")
+    fail.calls = 0
     return fail
 
 
@@ -147,11 +143,19 @@ def test_a_row_budget_that_raises_verifies_every_plan_whole(engine, reference, m
     assert_plain(engine, seqs, reference)
 
 
-def test_shared_learning_that_raises_fails_no_request(engine, reference, monkeypatch):
-    sched = engine.speculator.scheduler
-    monkeypatch.setattr(sched, "learn_shared_verify", broken("learning the shared verify"))
+def assert_fails_no_request(engine, reference, monkeypatch, owner, name: str) -> None:
+    """owner.name raises wherever it is called: it was called, and every request still ends
+    with plain decoding's tokens."""
+    fault = broken(name)
+    monkeypatch.setattr(owner, name, fault)
     seqs = run_together(engine)
+    assert fault.calls > 0
     assert_plain(engine, seqs, reference)
+
+
+def test_shared_learning_that_raises_fails_no_request(engine, reference, monkeypatch):
+    assert_fails_no_request(engine, reference, monkeypatch, engine.speculator.scheduler,
+                            "learn_shared_verify")
 
 
 def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retired(
@@ -165,14 +169,15 @@ def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retire
                               on_text=on_text)
     assert engine.batch.add(first)
     slot = first.slot
-    monkeypatch.setattr(slot, "reset", broken("forgetting the slot"))  # ...and failing it raises
+    reset = broken("forgetting the slot")
+    monkeypatch.setattr(slot, "reset", reset)  # ...and failing it raises
     others = [engine.new_decode(engine.tokenizer.encode_chat(p), max_tokens=cap)
               for p, cap in zip(PROMPTS[1:], CAPS[1:], strict=True)]
     for seq in others:
         assert engine.batch.add(seq)
     while engine.batch.running:
         engine.batch.step()
-    assert isinstance(first.error, OSError)
+    assert isinstance(first.error, OSError) and reset.calls > 0
     assert all(s is not slot for s in engine.batch.slots)  # never handed out again
     assert engine.speculator.running == 0  # its request ended on the scheduler too
     assert_plain(engine, [first, *others], reference, skip={0})
@@ -180,22 +185,14 @@ def test_a_request_whose_failing_raises_again_fails_alone_and_its_slot_is_retire
 
 def test_the_default_arm_learns_on_after_a_refit_that_raises(engine, reference, monkeypatch):
     """The end of a request (its refit) raising is logged; the reply stands."""
-    sched = engine.speculator.scheduler
-    monkeypatch.setattr(sched, "refit", broken("the refit"))
-    seqs = run_together(engine)
-    assert_plain(engine, seqs, reference)
+    assert_fails_no_request(engine, reference, monkeypatch, engine.speculator.scheduler,
+                            "refit")
 
 
 def test_a_bug_past_the_step_catch_all_stops_the_engine_out_loud(engine, reference,
                                                                  monkeypatch):
     """Before: the engine thread died silently and every request waited forever."""
-    gate = threading.Event()
-
-    def load():
-        gate.wait(timeout=300)
-        return engine
-
-    worker = EngineWorker(load, parallel=1, queue_limit=4)
+    worker, gate = gated_worker(engine, parallel=1, queue_limit=4)
     try:
         ids = engine.tokenizer.encode_chat(PROMPTS[0])
         running = worker.submit(Job(ids, 400, []))

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from test_learned_store import learn_rounds
 
 from adaspark.scheduler.chooser import RATE_DECAY, BandRate
@@ -212,3 +213,31 @@ def test_two_processes_saving_into_one_directory_keep_both_ones_rounds(tmp_path)
     assert disk.load()["rounds"] == 10 + 48 + 48 and disk.rejection is None
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".rejected-" in p.name
             ] == []
+
+
+def test_every_failed_save_is_counted_once_by_the_store(tmp_path, monkeypatch, caplog):
+    """store.save_failures (the metrics' counter) counts a save however it failed, in the store
+    itself: a learned state that is not JSON (before: raised before the store was asked, and
+    never counted) and a bug in the merge (before: counted by the speculator, from outside)."""
+    from adaspark.scheduler import merge
+    from adaspark.speculative import Speculator
+
+    store = Store(tmp_path, FINGERPRINT)
+    sched = Scheduler("ngram")
+    spec = Speculator(None, None, sched, store=store)
+    spec.save()
+    assert (store.saves, store.save_failures) == (1, 0)
+    state_dict = sched.state_dict
+    with monkeypatch.context() as patch, caplog.at_level("WARNING", "adaspark.speculative"):
+        patch.setattr(sched, "state_dict", lambda: {**state_dict(), "bad": object()})
+        spec.save()  # logged, as every failed save is: the reply stands
+        assert store.save_failures == 1 and "cannot be stored as JSON" in caplog.text
+    with monkeypatch.context() as patch:
+        patch.setattr(merge, "merge_states", lambda *_: 1 / 0)
+        spec.save()
+        assert store.save_failures == 2
+        with pytest.raises(ZeroDivisionError):  # the store's own update, whoever calls it
+            store.update(lambda _disk: 1 / 0)
+    assert (store.saves, store.save_failures) == (1, 3)
+    spec.save()  # the state is fine again: saved
+    assert store.saves == 2 and store.load() == plain_json(sched.state_dict())

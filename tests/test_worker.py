@@ -26,11 +26,12 @@ def engine(fast_model, model_path):
 
 
 def gated_worker(engine, **kw):
-    """A worker whose engine loads when the gate opens, so jobs can queue up first."""
+    """A worker whose engine loads when the gate opens, so jobs can queue up first (the wait
+    only bounds a test that never opens it). Returns (worker, gate)."""
     gate = threading.Event()
 
     def load():
-        gate.wait(timeout=60)
+        gate.wait(timeout=300)
         return engine
 
     return EngineWorker(load, **kw), gate

@@ -54,7 +54,7 @@ def parse_external(specs: list[str]) -> dict[str, str]:
             name, url = "external", spec
         if not name or not url.startswith(("http://", "https://")):
             raise UserError(f"--url {spec!r}: expected NAME=http://HOST:PORT")
-        if _is_arm(name) or name in out:
+        if _arm_error(name) is None or name in out:
             raise UserError(f"--url {spec!r}: name {name!r} is taken; pick another")
         out[name] = url
     return out
@@ -90,22 +90,22 @@ def plan_arms(
     return runs
 
 
-def _is_arm(name: str) -> bool:
+def _arm_error(name: str) -> UserError | None:
+    """Why `name` is none of our arms (Arm.parse's error: its modifiers joined by '+', as in
+    `adaspark+plain`, since commas already separate the arms of --arms), or None when it is."""
     try:
         Arm.parse(name)
-    except UserError:
-        return False
-    return True
+    except UserError as err:
+        return err
+    return None
 
 
 def _check_arm(name: str, base: str) -> None:
-    """One of our arms, its modifiers joined by '+' (`adaspark+plain`: commas already separate
-    the arms of --arms), as Arm.parse takes it; else a UserError naming what it takes."""
-    try:
-        Arm.parse(base)
-    except UserError as err:
+    """`base` (`name` without SECOND_RUN) is one of our arms; else a UserError naming what it
+    takes."""
+    if (err := _arm_error(base)) is not None:
         raise UserError(f"unknown arm {name!r} ({err}; modifiers joined with '+': "
-                        "adaspark+plain), or name an external server with --url NAME=URL") from None
+                        "adaspark+plain), or name an external server with --url NAME=URL")
 
 
 def _die_with_parent() -> None:

@@ -110,11 +110,17 @@ class SharedState:
         self.synced = plain_json(scheduler.state_dict())  # what the store held, as we know it
 
     def save(self) -> None:
-        """Store.update with merge_states; raises the store's UserError (nothing changes)."""
-        base = self.synced
-        try:
-            ours = plain_json(self.scheduler.state_dict())
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"learned state cannot be stored as JSON: {exc}") from None
-        self.store.update(lambda disk: merge_states(base, disk, ours))
-        self.synced = ours
+        """Store.update with merge_states; raises what the update raised (nothing changes, and
+        the store counts a failed save): the store's UserError, also for a learned state that
+        is not JSON."""
+        base, ours = self.synced, {}
+
+        def merge(disk: Mapping | None) -> dict:
+            try:
+                ours["state"] = plain_json(self.scheduler.state_dict())
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"learned state cannot be stored as JSON: {exc}") from None
+            return merge_states(base, disk, ours["state"])
+
+        self.store.update(merge)
+        self.synced = ours["state"]

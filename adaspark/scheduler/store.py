@@ -21,8 +21,8 @@ API (stable):
                                          load() refuses one, or "replaced": `--fresh`)
         .rejection -> str | None         the message of the last refusal
         .saves, .rejections, .save_failures -> int
-                                         saves done, files refused and saves that failed (their
-                                         UserError raised) by this object (metrics)
+                                         saves done, files refused and saves that failed (what
+                                         they raised re-raised) by this object (metrics)
 
     FORMAT_VERSION: int
     Unusable(reason)                     raised by a merge: the state on disk is not its to read
@@ -221,10 +221,11 @@ class Store:
 
     def update(self, merge: Callable[[dict | None], dict]) -> dict:
         """merge(the state on disk, or None) written as the new state, all under the lock, so
-        no other writer's save lands in between; returns what was written."""
+        no other writer's save lands in between; returns what was written. Whatever it raises
+        (the store's UserError, or a bug in `merge`) is a failed save, counted here."""
         try:
             return self._update(merge)
-        except UserError:
+        except Exception:
             self.save_failures += 1
             raise
 

@@ -2,7 +2,7 @@
 /v1/models, /health.
 
 Requests are parsed and tokenised on the event loop's side; generation runs on the engine's own
-thread (see worker.py), several plain-decoding requests at once in one batch (`parallel`), the rest
+thread (see worker.py), several requests at once in one batch (`parallel`, every arm), the rest
 queued in arrival order; past the queue's bound a request gets 429 with Retry-After, before its
 body is parsed or tokenised (checked on arrival, and again when its turn to parse comes: at most
 one request per core parses, renders and tokenises at once). A request takes its place in the
@@ -333,16 +333,12 @@ def floored(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR) if logprob == logprob else logprob
 
 
-def busy_body() -> dict[str, Any]:
-    """OpenAI's error object for a full queue (status 429)."""
-    return error_body(429, "the server is busy: too many requests are waiting; retry shortly",
-                      code="rate_limit_exceeded")
-
-
 def busy_response() -> JSONResponse:
-    """429 with Retry-After: the queue holds as many requests as it may."""
-    return JSONResponse(busy_body(), status_code=429,
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    """429 with Retry-After: the queue holds as many requests as it may (the only answer a
+    full server gives: an admitted request's choices never find it full)."""
+    body = error_body(429, "the server is busy: too many requests are waiting; retry shortly",
+                      code="rate_limit_exceeded")
+    return JSONResponse(body, status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def choice_sampling(sampling: Any, index: int) -> Any:

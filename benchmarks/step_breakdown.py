@@ -147,11 +147,24 @@ def admission_waits(events: list, start: float, end: float) -> dict:
     return {"prepare": summary(prepare), "queue": summary(queue)}
 
 
+def clipped(step: dict, start: float, end: float) -> dict:
+    """The step's part in [start, end]: a step waits for work at its start (the engine thread
+    idles there between passes, and after a pass's last reply until the next), so what lies
+    outside is taken from its wait, as far as that goes."""
+    outside = max(0.0, start - step["start"]) + max(0.0, step["start"] + step["wall"] - end)
+    cut = min(outside, step["parts"].get(IDLE, 0.0))
+    if not cut:
+        return step
+    return {**step, "wall": step["wall"] - cut,
+            "parts": {**step["parts"], IDLE: step["parts"][IDLE] - cut}}
+
+
 def breakdown(record: dict, start: float, end: float, clients: int) -> dict:
-    """The steps that began in [start, end]: their wall, each part's sum and share, by running
+    """The steps within [start, end] (clipped): their wall, each part's sum and share, by running
     count too; the tail (steps below `clients` running with none waiting; the wall after the
     last admission); the requests' admission waits."""
-    steps = [s for s in record["steps"] if start <= s["start"] <= end]
+    steps = [clipped(s, start, end) for s in record["steps"]
+             if s["start"] < end and s["start"] + s["wall"] > start]
     wall = sum(s["wall"] for s in steps)
     parts: Counter = Counter()
     for s in steps:

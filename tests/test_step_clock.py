@@ -148,17 +148,18 @@ def test_a_pass_breakdown_sums_its_parts_and_finds_its_tail():
     record = {"steps": [step(0.0, 0, 0, {idle: 1.0, "admission": 0.5}),
                         step(2.0, 4, 1, {"verify: forward": 2.0, root: 0.5}),
                         step(5.0, 2, 0, {"verify: forward": 1.0, idle: 0.25}),
+                        step(9.5, 0, 0, {idle: 2.0}),  # waits past the pass's end
                         step(99.0, 4, 0, {"verify: forward": 9.0})],  # after the pass
               "events": [("reserve", 0.1, {"place": 7}), ("submit", 0.3, {"job": 1, "place": 7}),
                          ("admit", 1.4, {"job": 1, "place": 7}),
                          ("submit", 0.5, {"job": 2, "place": 7}),
                          ("admit", 4.0, {"job": 2, "place": 7})]}
     b = step_breakdown.breakdown(record, 0.0, 10.0, clients=4)
-    assert b["steps"] == 3 and b["in_steps_s"] == 5.25
-    assert b["parts_s"] == {idle: 1.25, "admission": 0.5, "verify: forward": 3.0, root: 0.5}
+    assert b["steps"] == 4 and b["in_steps_s"] == 5.75
+    assert b["parts_s"] == {idle: 1.75, "admission": 0.5, "verify: forward": 3.0, root: 0.5}
     assert math.isclose(sum(b["parts_share"].values()), 1.0)
-    assert b["tail"] == {"underfilled_steps": 2, "underfilled_s": 2.75,
-                         "underfilled_idle_s": 1.25, "after_last_admission_s": 6.0}
+    assert b["tail"] == {"underfilled_steps": 3, "underfilled_s": 3.25,
+                         "underfilled_idle_s": 1.75, "after_last_admission_s": 6.0}
     assert b["by_running"][4]["steps"] == 1 and b["by_running"][2]["wall_s"] == 1.25
     waits = b["admission"]
     assert waits["queue"]["n"] == 2 and math.isclose(waits["queue"]["sum_s"], 1.1 + 3.5)

@@ -96,7 +96,7 @@ def install(clock) -> None:
                before=lambda _, job, place=None: clock.event(
                    "submit", job=id(job), place=None if place is None else id(place)))
     clock.wrap(EngineWorker, "_next_job", "admission",
-               after=lambda item, _: item is None or clock.event(
+               after=lambda item, *_: item is None or clock.event(
                    "admit", job=id(item[0]), place=id(item[2])))
 
 

@@ -126,6 +126,26 @@ def test_a_requests_choices_run_side_by_side_and_equal_each_alone(served, sampli
     assert order != sorted(order)  # the choices' chunks came interleaved
 
 
+def test_a_requests_choices_share_its_prompts_prefill(served, monkeypatch):
+    base, engine = served["base"], served["worker"].engine
+    chunks, prefill_many = [], engine.target.prefill_many
+
+    def spy(caches, rows, **kw):
+        chunks.extend(len(chunk) for chunk in rows)
+        return prefill_many(caches, rows, **kw)
+
+    monkeypatch.setattr(engine.target, "prefill_many", spy)
+    prompt, sampling = "Describe a quiet harbour at dawn.", {"temperature": 0.9, "seed": 5}
+    together, _ = choices(base, body(prompt, max_tokens=12, n=3, **sampling))
+    # the first choice prefills the prompt; the others copy it and run its last token only
+    assert sorted(chunks) == [1, 1, chunks[0]] and chunks[0] > 1
+    monkeypatch.undo()
+    alone = [ask(base, body(prompt, max_tokens=12, **{**sampling,
+                                                       "seed": shifted_seed(5, i)}))
+             for i in range(3)]
+    assert together == alone
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_choice_that_fails_fails_the_request_and_ends_the_others(served, monkeypatch,
                                                                    stream):

@@ -19,7 +19,12 @@ place, each its own sequence in the batch (side by side, as vLLM runs them): the
 more than the batch's `parallel` slots (the batch's own bound, whatever n is), and a slot goes
 to the oldest waiting request none of whose choices runs yet before it goes to another choice
 of a request already running (_next_job), so a request of many choices fills only the slots
-no other request waits for, and a later request waits for at most one choice to end. A place
+no other request waits for, and a later request waits for at most one choice to end. The
+choices share their prompt's prefill: where slots have no drafters (Batch.shares_prompts), a
+choice waits while its request's running choices all still prefill, then joins with the K/V of
+one whose prompt is in copied to its slot (Batch.join's source), and prefills the prompt's last
+token only (exact: a prompt over a cached prefix equals its whole prefill, docs/batching.md;
+choices one after another reused the same prefix from the slot before). A place
 whose client left (its cancel flag) no longer counts, nor does its queued job (the waiting
 gauge): live clients are not refused for requests nobody waits for, which the engine thread
 drops between steps.
@@ -296,23 +301,43 @@ class EngineWorker:
             self._finish(seq)
         return True
 
-    def _next_job(self) -> tuple[Job, Future, Place] | None:
+    def _next_job(self, admitting: bool = False) -> tuple[Job, Future, Place] | None:
         """The next queued job still wanted, its future marked running (no longer
         cancellable: the client's side may cancel a waiting one): the oldest of a request none
         of whose choices runs, else the oldest (another choice of a running request); the
-        cancelled ones are dropped on the way."""
+        cancelled ones are dropped on the way. admitting: a choice whose request's running
+        choices all still prefill waits (its prompt is then copied, not prefilled again:
+        _admit), and None when only such choices wait."""
         while True:
             with self._wake:
-                if not self._queue:
+                at = self._pick(admitting)
+                if at is None:
                     return None
-                busy = {id(item[3]) for item in self._running.values()}
-                at = next((i for i, item in enumerate(self._queue) if id(item[2]) not in busy),
-                          0)
                 job, future, place = self._queue[at]
                 del self._queue[at]
             if future.set_running_or_notify_cancel() and not job.cancel.is_set():
                 return job, future, place
             self._settle(job, future, None, Cancelled())
+
+    def _pick(self, admitting: bool) -> int | None:
+        """The queue index _next_job takes (under the lock)."""
+        if not self._queue:
+            return None
+        siblings: dict[int, list[Any]] = {}
+        for seq, _, _, place in self._running.values():
+            siblings.setdefault(id(place), []).append(seq)
+        for i, item in enumerate(self._queue):
+            if id(item[2]) not in siblings:
+                return i
+        if not admitting or not self.engine.batch.shares_prompts:
+            return 0
+        return next((i for i, item in enumerate(self._queue)
+                     if not all(seq.prefilling for seq in siblings[id(item[2])])), None)
+
+    def _source(self, place: Place) -> Any:
+        """A running choice of the place's request whose prompt is in (None: none)."""
+        return next((seq for seq, _, _, other in self._running.values()
+                     if other is place and not seq.prefilling and not seq.finished), None)
 
     def _drop_unwanted(self) -> None:
         """Settle and drop the queued jobs whose clients left (their places count no more, so
@@ -328,8 +353,9 @@ class EngineWorker:
 
     def _admit(self, batch: Any) -> None:
         budget = PREFILL_PER_STEP
-        while budget > 0 and not batch.full and (item := self._next_job()) is not None:
+        while budget > 0 and not batch.full and (item := self._next_job(True)) is not None:
             job, future, place = item
+            source = self._source(place)  # another choice: its prompt is copied
             try:
                 seq = self.engine.new_decode(
                     job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop,
@@ -340,7 +366,7 @@ class EngineWorker:
                 self._settle(job, future, None, err)
                 continue
             self._running[id(seq)] = (seq, job, future, place)
-            if not batch.join(seq):  # its first chunk runs in the next step
+            if not batch.join(seq, source):  # its first chunk runs in the next step
                 self._finish(seq)
             budget -= min(len(seq.prompt) - seq.timing.reused_tokens, batch.prefill_chunk)
 

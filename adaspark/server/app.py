@@ -7,7 +7,9 @@ queued in arrival order; past the queue's bound a request gets 429 with Retry-Af
 body is parsed or tokenised (checked on arrival, and again when its turn to parse comes: at most
 one request per core parses, renders and tokenises at once). A request takes its place in the
 queue before its prompt is tokenised and before a stream's 200 goes out, and keeps it across its n
-choices, so no choice of an admitted request is ever refused. Every stream ends in `data: [DONE]`,
+choices, so no choice of an admitted request is ever refused; the n choices run side by side in
+the batch (worker.py), a stream interleaving their chunks by index, and one that fails fails the
+request (the others are cancelled). Every stream ends in `data: [DONE]`,
 after an OpenAI error object when a choice failed; NaN never appears in JSON, and logprobs are
 floored at LOGPROB_FLOOR (a -inf beside a tiny temperature's certain pick). Any model name
 is accepted in a request: the server serves exactly one model, and echoes its id in every response.

@@ -118,13 +118,27 @@ class Batch:
             return False
         return True
 
-    def join(self, seq: Decode) -> bool:
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether join() can share a running request's prompt (slots without drafters)."""
+        return self.new_drafter is None
+
+    def join(self, seq: Decode, source: Decode | None = None) -> bool:
         """Give `seq` a free slot: its first prompt chunk runs in the next step, before the
-        step's verify (step()). False when it failed."""
+        step's verify (step()). source: a running request whose slot holds seq's prompt
+        (another choice of the same request): its K/V are copied to seq's slot, so only
+        the prompt's last token is prefilled again (where shares_prompts). False when it
+        failed."""
         if self.full:
             raise RuntimeError("no free slot: check Batch.full before adding")
         try:
-            seq.start(self._slot_for(seq.prompt))
+            slot = self._slot_for(seq.prompt)
+            if source is not None and self.shares_prompts and source.slot is not slot:
+                length = min(common_prefix(source.slot.ids, seq.prompt), len(seq.prompt) - 1)
+                if common_prefix(slot.trusted_prefix(), seq.prompt) < length:
+                    with slot.guard():  # a copy cut short leaves nothing half-held
+                        slot.copy_prefix(source.slot, length)
+            seq.start(slot)
         except Exception as err:  # this request's failure only
             self._fail(seq, err)
             return False

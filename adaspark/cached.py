@@ -61,6 +61,15 @@ class CachedTokens:
             self.drafter.truncate(min(n, self.drafter.length))
         self.ids = self.ids[:n]
 
+    def copy_prefix(self, other: CachedTokens, length: int) -> None:
+        """Hold `other`'s first `length` tokens (its K/V copied); only between slots without
+        drafters (a drafter's features are not copied)."""
+        if self.drafter is not None or other.drafter is not None:
+            raise ValueError("a slot with a drafter cannot take another slot's prefix")
+        self.kv.copy_prefix(other.kv, length)
+        self.ids = other.ids[:length]
+        self.check()
+
     def prefilled(self, prompt: Iterable[int]) -> None:
         """The target's cache now holds exactly `prompt`."""
         self.ids = [int(t) for t in prompt]

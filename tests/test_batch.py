@@ -263,3 +263,31 @@ def test_default_parallel_from_cores_and_memory():
     assert default_parallel(slot, cores=16, memory=64 << 30) == 8  # a step's rows stay few
     assert default_parallel(slot, cores=2, memory=600 << 20) == 1  # a quarter holds 0.75 slots
     assert default_parallel(slot, cores=2, memory=None) == 4
+
+
+def test_a_slot_takes_another_slots_prefix_exactly_and_never_with_a_drafter():
+    from adaspark.cached import CachedTokens
+    from adaspark.model.cache import KVCache
+
+    def cache():
+        return KVCache(2, 1, 4, 8, torch.float32, conv_layers=1, conv_dim=3)
+
+    source, target = cache(), cache()
+    for t in (source.k, source.v, source.conv):
+        t.copy_(torch.randn(t.shape))
+    source.length = 6
+    target.copy_prefix(source, 4)
+    assert target.length == 4
+    assert torch.equal(target.k[:, :, :, :4], source.k[:, :, :, :4])
+    assert torch.equal(target.v[:, :, :, :4], source.v[:, :, :, :4])
+    assert torch.equal(target.conv[:, :, :4], source.conv[:, :, :4])
+    assert not target.k[:, :, :, 4:].any()  # nothing past the prefix
+    with pytest.raises(ValueError):
+        target.copy_prefix(source, 7)  # more than the source holds
+    held = CachedTokens(None, kv=source)
+    held.ids = list(range(6))
+    slot = CachedTokens(None, kv=cache())
+    slot.copy_prefix(held, 5)
+    assert slot.ids == [0, 1, 2, 3, 4] and slot.kv.length == 5
+    with pytest.raises(ValueError, match="drafter"):
+        CachedTokens(None, drafter=object(), kv=cache()).copy_prefix(held, 2)

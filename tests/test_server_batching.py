@@ -1,6 +1,8 @@
 """The server batching concurrent requests, over real HTTP on the real model (`ar`, parallel 3,
-a queue of 1): concurrent replies equal solo ones and did run side by side, a client that leaves
-frees its slot at the next step, and past the queue a request gets 429 with Retry-After."""
+a queue of 1): concurrent replies equal solo ones and did run side by side, a request's n
+choices run side by side too (streamed interleaved, each equal to the same choice asked alone,
+one that fails failing the request and ending the others), a client that leaves frees its slot
+at the next step, and past the queue a request gets 429 with Retry-After."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import httpx
 import pytest
 from test_server import _error, _serving, _wait
 
+from adaspark.errors import UserError
+from adaspark.sampling import shifted_seed
 from adaspark.server import create_app
 
 pytestmark = pytest.mark.slow
@@ -85,6 +89,97 @@ def test_concurrent_replies_equal_solo_ones(served):
             together = list(pool.map(lambda p: ask(base, p), payloads))
     assert together == solo
     assert peak[0] >= 2  # they shared the batch, not took turns
+
+
+def choices(base: str, payload: dict) -> tuple[list[str], list[int]]:
+    """Each choice's text (by index), and the choice index of every content chunk in stream
+    order (empty when not streamed)."""
+    url = base + "/v1/chat/completions"
+    if not payload.get("stream"):
+        response = httpx.post(url, json=payload, timeout=300)
+        assert response.status_code == 200, response.text
+        return [c["message"]["content"] for c in response.json()["choices"]], []
+    texts, order = [""] * payload["n"], []
+    with httpx.stream("POST", url, json=payload, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    if piece := choice["delta"].get("content"):
+                        texts[choice["index"]] += piece
+                        order.append(choice["index"])
+    return texts, order
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}])
+def test_a_requests_choices_run_side_by_side_and_equal_each_alone(served, sampling):
+    base, worker = served["base"], served["worker"]
+    alone = [ask(base, body(PROMPTS[1], max_tokens=24, **(
+        {**sampling, "seed": shifted_seed(sampling["seed"], i)} if sampling else {})))
+        for i in range(3)]  # choice i of n is the request with seed + i
+    payload = body(PROMPTS[1], max_tokens=24, n=3, **sampling)
+    with peak_running(worker) as peak:
+        whole, _ = choices(base, payload)
+    assert peak[0] == 3  # one request's choices shared the batch, not took turns
+    streamed, order = choices(base, {**payload, "stream": True})
+    assert whole == streamed == alone
+    assert sorted(set(order)) == [0, 1, 2]
+    assert order != sorted(order)  # the choices' chunks came interleaved
+
+
+def test_a_requests_choices_share_its_prompts_prefill(served, monkeypatch):
+    base, engine = served["base"], served["worker"].engine
+    chunks, prefill_many = [], engine.target.prefill_many
+
+    def spy(caches, rows, **kw):
+        chunks.extend(len(chunk) for chunk in rows)
+        return prefill_many(caches, rows, **kw)
+
+    monkeypatch.setattr(engine.target, "prefill_many", spy)
+    prompt, sampling = "Describe a quiet harbour at dawn.", {"temperature": 0.9, "seed": 5}
+    together, _ = choices(base, body(prompt, max_tokens=12, n=3, **sampling))
+    # the first choice prefills the prompt; the others copy it and run its last token only
+    assert sorted(chunks) == [1, 1, chunks[0]] and chunks[0] > 1
+    monkeypatch.undo()
+    alone = [ask(base, body(prompt, max_tokens=12, **{**sampling,
+                                                       "seed": shifted_seed(5, i)}))
+             for i in range(3)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_that_fails_fails_the_request_and_ends_the_others(served, monkeypatch,
+                                                                   stream):
+    base, worker = served["base"], served["worker"]
+    engine, calls, ended = worker.engine, [], []
+    new_decode = engine.new_decode
+
+    def second_choice_refused(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise UserError("the second choice is refused")
+        return new_decode(*args, **kw)
+
+    monkeypatch.setattr(engine, "new_decode", second_choice_refused)
+    observe = lambda job, result: ended.append(result)  # noqa: E731
+    worker.observers.append(observe)
+    try:
+        payload = body(LONG, max_tokens=2000, n=2, stream=stream)
+        if stream:
+            with httpx.stream("POST", base + "/v1/chat/completions", json=payload,
+                              timeout=300) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["message"] == "the second choice is refused"
+        else:
+            r = httpx.post(base + "/v1/chat/completions", json=payload, timeout=300)
+            assert r.status_code == 400, r.text
+            assert _error(r)["message"] == "the second choice is refused"
+        _wait(lambda: len(ended) == 2 and worker.running == 0, "both choices to end",
+              timeout=120)
+    finally:
+        worker.observers.remove(observe)
+    first = next(result for result in ended if result is not None)
+    assert first.finish_reason == "cancelled" and len(first.token_ids) < 2000
 
 
 def test_a_client_that_leaves_frees_its_slot(served):

@@ -97,3 +97,10 @@ def test_the_default_arm_under_concurrency_equals_ar_token_for_token(plain_repli
         sched, store = engine.speculator.scheduler, engine.speculator.store
         assert sched.rounds_learned == sum(rounds(r[3]) for r in replies)
         assert store.load()["rounds"] == sched.rounds_learned
+        # a request's choices draft side by side, each on its own slot's drafter: greedy, each
+        # equals the plain reply
+        both = httpx.post(base + "/v1/chat/completions",
+                          json={**payload(*REQUESTS[2]), "n": 2}, timeout=600)
+        assert both.status_code == 200, both.text
+        assert [c["message"]["content"] for c in both.json()["choices"]] == \
+            [plain_replies[2][0]] * 2

@@ -119,3 +119,35 @@ def test_a_future_given_up_while_queued_is_dropped_and_the_worker_serves_on(engi
     finally:
         worker.close()
     assert [result for job, result in seen if job is given_up] == [None]  # it never ran
+
+
+def test_a_requests_choices_fill_only_slots_no_other_request_waits_for(engine):
+    """A request's n choices are n jobs under one place: they never run past the batch's
+    slots, and a later request gets a slot before the request's second choice does."""
+    worker, gate = gated_worker(engine, parallel=2)
+    order, peak = [], [0]
+    new_decode, step = engine.new_decode, engine.batch.step
+
+    def spy_decode(prompt, **kw):
+        order.append(kw["request_id"])
+        return new_decode(prompt, **kw)
+
+    def spy_step():
+        peak[0] = max(peak[0], len(engine.batch.running))
+        return step()
+
+    engine.new_decode, engine.batch.step = spy_decode, spy_step
+    try:
+        many = worker.reserve()
+        futures = [many.submit(Job(LONG[:20], 3, [], request_id="many", cancel=many.cancel))
+                   for _ in range(4)]
+        futures.append(worker.submit(Job(LONG[:30], 3, [], request_id="later")))
+        gate.set()
+        results = [f.result(timeout=120) for f in futures]
+        many.release()
+    finally:
+        del engine.new_decode, engine.batch.step
+        worker.close()
+    assert order == ["many", "later", "many", "many", "many"]
+    assert peak[0] == 2  # two choices ran side by side, never more than the slots
+    assert all(len(r.token_ids) == 3 for r in results)

@@ -71,6 +71,17 @@ class KVCache:
         """Bytes of the whole context's slots (K, V and the conv layers' B*x)."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv))
 
+    def copy_prefix(self, other: KVCache, length: int) -> None:
+        """Hold `other`'s first `length` committed slots (K/V and conv rows), nothing after:
+        another sequence's prompt, shared without a forward (its bits are what a prefill of
+        the same tokens would write: docs/batching.md, "Exactness")."""
+        if not 0 <= length <= other.length or length > self.capacity:
+            raise ValueError(f"cannot copy {length} slots of a cache of {other.length}")
+        self.k[:, :, :, :length] = other.k[:, :, :, :length]
+        self.v[:, :, :, :length] = other.v[:, :, :, :length]
+        self.conv[:, :, :length] = other.conv[:, :, :length]
+        self.length = length
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")

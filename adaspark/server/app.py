@@ -7,7 +7,9 @@ queued in arrival order; past the queue's bound a request gets 429 with Retry-Af
 body is parsed or tokenised (checked on arrival, and again when its turn to parse comes: at most
 one request per core parses, renders and tokenises at once). A request takes its place in the
 queue before its prompt is tokenised and before a stream's 200 goes out, and keeps it across its n
-choices, so no choice of an admitted request is ever refused. Every stream ends in `data: [DONE]`,
+choices, so no choice of an admitted request is ever refused; the n choices run side by side in
+the batch (worker.py), a stream interleaving their chunks by index, and one that fails fails the
+request (the others are cancelled). Every stream ends in `data: [DONE]`,
 after an OpenAI error object when a choice failed; NaN never appears in JSON, and logprobs are
 floored at LOGPROB_FLOOR (a -inf beside a tiny temperature's certain pick). Any model name
 is accepted in a request: the server serves exactly one model, and echoes its id in every response.
@@ -461,8 +463,8 @@ async def _complete(request: Request, place: Place, jobs: list[Job], reply: Repl
         place.cancel.set()
 
     watcher = asyncio.create_task(watch_disconnect())
-    try:  # the n choices one after another, under the request's one place
-        results = [await asyncio.wrap_future(place.submit(job)) for job in jobs]
+    try:  # the n choices side by side in the batch, under the request's one place
+        results = await _choices(place, jobs)
     except UserError as err:
         return error_response(400, str(err))
     except Cancelled:
@@ -483,6 +485,27 @@ async def _complete(request: Request, place: Place, jobs: list[Job], reply: Repl
     })
 
 
+async def _choices(place: Place, jobs: list[Job]) -> list[Any]:
+    """Every choice's result, all submitted at once; the first choice to fail fails the
+    request: the others are cancelled (their slots free at the next step) and its error
+    raised."""
+    futures = [asyncio.wrap_future(place.submit(job)) for job in jobs]
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        if not all(_succeeded(f) for f in futures):
+            place.cancel.set()  # failed, or the wait itself was cancelled (the client left)
+    errors = [f.exception() for f in futures
+              if f.done() and not f.cancelled() and f.exception() is not None]
+    if errors:  # a choice's own error rather than the cancellation it caused in the others
+        raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
+    return [f.result() for f in futures]
+
+
+def _succeeded(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
 _DONE = object()
 
 
@@ -493,79 +516,100 @@ def _event(body: dict[str, Any]) -> str:
 
 async def _sse(place: Place, jobs: list[Job], reply: Reply,
                include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events for one request, its n choices one after another; every stream
-    ends in `data: [DONE]`, after an OpenAI error object when a choice failed. Leaving early (a
-    disconnect) cancels the request (PlacedStream)."""
-    results: list[Any] = []
+    """Server-sent events for one request, its n choices side by side in the batch, their
+    chunks interleaved as the engine makes them (each with its choice's `index`); every stream
+    ends in `data: [DONE]`, after an OpenAI error object when a choice failed (the others are
+    then cancelled: the request fails whole). Leaving early (a disconnect) cancels the request
+    (PlacedStream)."""
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue = asyncio.Queue()
+
+    def poster(index: int) -> Callable[[Any], None]:
+        def post(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: shutting down
+                loop.call_soon_threadsafe(pieces.put_nowait, (index, item))
+        return post
+
+    choices = [_StreamedChoice(reply, index) for index in range(len(jobs))]
+    futures = []
+    for index, job in enumerate(jobs):
+        job.on_text = poster(index)
+        futures.append(place.submit(job))
+        futures[-1].add_done_callback(lambda _, post=job.on_text: post(_DONE))
+    results: dict[int, Any] = {}
     try:
-        for index, job in enumerate(jobs):
-            last = index == len(jobs) - 1
-            async for event in _sse_choice(place, job, reply, index, last, results):
-                yield event
-            if len(results) <= index:  # the choice failed and said so in the stream
+        while len(results) < len(jobs):
+            index, piece = await pieces.get()
+            choice = choices[index]
+            if piece is not _DONE:
+                if (event := choice.text(piece)) is not None:
+                    yield event
+                continue
+            try:
+                result = futures[index].result()
+            except (UserError, Cancelled) as err:
+                place.cancel.set()  # the request fails whole: its other choices end
+                yield _event(error_body(400, str(err) or "request cancelled"))
                 break
+            except EngineStopped:
+                place.cancel.set()
+                yield _event(error_body(503, ENGINE_STOPPED))
+                break
+            results[index] = result
+            extra = {}
+            if len(results) == len(jobs):  # the last choice to end: the request's usage
+                usage = _usage(reply.prompt_tokens, [results[i] for i in sorted(results)])
+                extra = {"usage": usage, "timings": results[0].timings.as_dict(),
+                         **reply.extra}
+            for event in choice.finish(result, **extra):
+                yield event
         else:
             if include_usage:
-                usage, timings = _usage(reply.prompt_tokens, results), \
-                    results[0].timings.as_dict()
-                yield reply.chunk([], usage=usage, timings=timings, **reply.extra)
+                yield reply.chunk([], **extra)
     except Exception as err:  # a bug: say so in the stream, whose status was already sent
+        place.cancel.set()
         yield _event(internal_error(err, f"streaming {reply.id}")[1])
     yield "data: [DONE]\n\n"
 
 
-async def _sse_choice(place: Place, job: Job, reply: Reply, index: int, last: bool,
-                      results: list[Any]) -> AsyncIterator[str]:
-    """One choice's chunks; appends its result to `results` when it finishes. The last
-    choice's final chunk carries the request's usage and timings. A request the engine
-    refuses (or a cancelled one) ends in a 400 error object; a bug raises."""
-    loop = asyncio.get_running_loop()
-    pieces: asyncio.Queue = asyncio.Queue()
+class _StreamedChoice:
+    """One choice's chunks in a stream: its first delta says the role (chat), and while its
+    reply may still be a bare tool call (tools active) its text is held back."""
 
-    def post(item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
-            loop.call_soon_threadsafe(pieces.put_nowait, item)
+    def __init__(self, reply: Reply, index: int):
+        self.reply, self.index = reply, index
+        self.first, self.held = True, ""
 
-    job.on_text = post
-    future = place.submit(job)
-    future.add_done_callback(lambda _: post(_DONE))
-    first = True
-    held = ""  # text kept back while the reply may still be a bare tool call
+    def _delta(self, content: str) -> str:
+        choice = self.reply.delta(self.index, content, self.first)
+        self.first = False
+        return self.reply.chunk([choice])
 
-    def delta(content: str) -> str:
-        nonlocal first
-        choice = reply.delta(index, content, first)
-        first = False
-        return reply.chunk([choice])
-
-    while (piece := await pieces.get()) is not _DONE:
+    def text(self, piece: str) -> str | None:
+        """The chunk for a piece of new text, or None while nothing may go out yet."""
         if not piece:
-            continue
-        if reply.tools_active and (held or first):
-            held += piece
-            if may_be_tool_call(held):
-                continue
-            piece, held = held, ""
-        yield delta(piece)
-    try:
-        result = future.result()
-    except (UserError, Cancelled) as err:
-        yield _event(error_body(400, str(err) or "request cancelled"))
-        return
-    except EngineStopped:
-        yield _event(error_body(503, ENGINE_STOPPED))
-        return
-    calls = parse_tool_calls(held) if held else None
-    if calls:
-        final = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-        if first:
-            final = {"role": "assistant", "content": None, **final}
-        finish_reason = "tool_calls"
-    else:
-        if held or first:
-            yield delta(held)
-        final, finish_reason = {}, result.finish_reason
-    results.append(result)
-    usage, timings = _usage(reply.prompt_tokens, results), results[0].timings.as_dict()
-    yield reply.chunk([reply.last(index, final, finish_reason, result)],
-                      **({"usage": usage, "timings": timings, **reply.extra} if last else {}))
+            return None
+        if self.reply.tools_active and (self.held or self.first):
+            self.held += piece
+            if may_be_tool_call(self.held):
+                return None
+            piece, self.held = self.held, ""
+        return self._delta(piece)
+
+    def finish(self, result: Any, **extra: Any) -> list[str]:
+        """The choice's last chunks: what was held back (its tool calls, or its text), then
+        why it ended (with `extra`: the request's usage, on the last choice to end)."""
+        events = []
+        calls = parse_tool_calls(self.held) if self.held else None
+        if calls:
+            final = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            if self.first:
+                final = {"role": "assistant", "content": None, **final}
+            finish_reason = "tool_calls"
+        else:
+            if self.held or self.first:
+                events.append(self._delta(self.held))
+            final, finish_reason = {}, result.finish_reason
+        events.append(self.reply.chunk(
+            [self.reply.last(self.index, final, finish_reason, result)], **extra))
+        return events

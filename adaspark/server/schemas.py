@@ -4,7 +4,7 @@ Only what the engine can honour is accepted; anything else is refused with a 400
 field, rather than silently ignored, because it would change the reply the client expects.
 Sampling (adaspark/sampling.py): temperature [0, 2] (0 or absent: greedy), top_p (0, 1], top_k
 >= 0 (0: off), an int64 seed, penalties in [-2, 2], logprobs with top_logprobs 0-20, and n
-choices (n seeded samples, choice i with seed + i, run one after another). Up to MAX_STOPS stop
+choices (n seeded samples, choice i with seed + i, run side by side). Up to MAX_STOPS stop
 strings of up to MAX_STOP_CHARS characters each. response_format: text, json_object or
 json_schema (grammar.py; the server compiles the schema, a 400 where it cannot).
 """
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from adaspark.grammar import GrammarError, ResponseFormat
 from adaspark.sampling import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED, SamplingParams
 
-MAX_CHOICES = 16  # n: the choices run one after another, so a cap bounds one request's time
+MAX_CHOICES = 16  # n: a cap bounds one request's work (its choices share the batch)
 # The stop list. OpenAI takes at most 4 stop strings; 16 leaves room for clients written for
 # servers without a cap (a chat front-end's stop per speaker name). Each one costs the engine
 # thread, which every running request shares, one state move per new character (stops.py), so

@@ -13,10 +13,21 @@ step on); a queued one is dropped without touching the engine. A request that fa
 
 Admission is by place: a request takes one (reserve(); QueueFull when parallel + queue_limit
 are held) at arrival, before its prompt is tokenised and before a stream's 200 goes out, and
-holds it while its n choices run one after another, so a later choice never finds the queue
-full and a stream never learns of a full queue after its status. A place whose client left
-(its cancel flag) no longer counts, nor does its queued job (the waiting gauge): live clients
-are not refused for requests nobody waits for, which the engine thread drops between steps.
+holds it while its n choices run, so no choice ever finds the queue full and a stream never
+learns of a full queue after its status. The n choices are n jobs queued together under the
+place, each its own sequence in the batch (side by side, as vLLM runs them): they never take
+more than the batch's `parallel` slots (the batch's own bound, whatever n is), and a slot goes
+to the oldest waiting request none of whose choices runs yet before it goes to another choice
+of a request already running (_next_job), so a request of many choices fills only the slots
+no other request waits for, and a later request waits for at most one choice to end. The
+choices share their prompt's prefill: where slots have no drafters (Batch.shares_prompts), a
+choice waits while its request's running choices all still prefill, then joins with the K/V of
+one whose prompt is in copied to its slot (Batch.join's source), and prefills the prompt's last
+token only (exact: a prompt over a cached prefix equals its whole prefill, docs/batching.md;
+choices one after another reused the same prefix from the slot before). A place
+whose client left (its cancel flag) no longer counts, nor does its queued job (the waiting
+gauge): live clients are not refused for requests nobody waits for, which the engine thread
+drops between steps.
 
 Shutdown (close(), the server's lifespan exit on SIGTERM): no new job is taken, the queued ones
 are dropped, the running ones are cancelled and end at their next step; then the engine thread
@@ -144,9 +155,10 @@ class EngineWorker:
         self.parallel = parallel
         self.queue_limit = queue_limit
         self.last_result: Any = None  # the engine's record of the latest finished request
-        self._queue: deque[tuple[Job, Future]] = deque()
-        # id(Decode) -> (the Decode, its job, its future): admitted, not yet settled
-        self._running: dict[int, tuple[Any, Job, Future]] = {}
+        self._queue: deque[tuple[Job, Future, Place]] = deque()
+        # id(Decode) -> (the Decode, its job, its future, its request's place): admitted, not
+        # yet settled
+        self._running: dict[int, tuple[Any, Job, Future, Place]] = {}
         self._places: set[Place] = set()  # taken and not given back
         self._wake = threading.Condition()
         self._closed = False
@@ -165,7 +177,7 @@ class EngineWorker:
     @property
     def waiting(self) -> int:
         """Jobs submitted, not yet started, and still wanted (the metrics' queue gauge)."""
-        return sum(1 for job, future in list(self._queue) if _wanted(job, future))
+        return sum(1 for job, future, _ in list(self._queue) if _wanted(job, future))
 
     @property
     def running(self) -> int:
@@ -210,7 +222,7 @@ class EngineWorker:
                 future.add_done_callback(lambda _: place.release())
             elif place not in self._places:
                 raise ValueError("submit under a place that was given back")
-            self._queue.append((job, future))
+            self._queue.append((job, future, place))
             self._wake.notify()
         return future
 
@@ -245,7 +257,7 @@ class EngineWorker:
         error = EngineStopped(why)
         with self._wake:
             self.fault, self._closed = why, True
-        for _, job, future in list(self._running.values()):
+        for _, job, future, _ in list(self._running.values()):
             self._settle(job, future, None, error)
         self._running.clear()
         while (item := self._next_job()) is not None:
@@ -279,7 +291,7 @@ class EngineWorker:
             finished = batch.step()  # after close(): the cancelled requests end here
         except Exception as err:  # a bug outside any one request: end every admitted one
             log.exception("engine step failed")
-            for seq, _, _ in list(self._running.values()):
+            for seq, *_ in list(self._running.values()):
                 if not seq.finished:
                     batch.drop(seq, err)
                 self._finish(seq)  # a reply that had finished is still delivered
@@ -289,35 +301,61 @@ class EngineWorker:
             self._finish(seq)
         return True
 
-    def _next_job(self) -> tuple[Job, Future] | None:
-        """The oldest queued job still wanted, its future marked running (no longer
-        cancellable: the client's side may cancel a waiting one); the cancelled ones are
-        dropped on the way."""
+    def _next_job(self, admitting: bool = False) -> tuple[Job, Future, Place] | None:
+        """The next queued job still wanted, its future marked running (no longer
+        cancellable: the client's side may cancel a waiting one): the oldest of a request none
+        of whose choices runs, else the oldest (another choice of a running request); the
+        cancelled ones are dropped on the way. admitting: a choice whose request's running
+        choices all still prefill waits (its prompt is then copied, not prefilled again:
+        _admit), and None when only such choices wait."""
         while True:
             with self._wake:
-                if not self._queue:
+                at = self._pick(admitting)
+                if at is None:
                     return None
-                job, future = self._queue.popleft()
+                job, future, place = self._queue[at]
+                del self._queue[at]
             if future.set_running_or_notify_cancel() and not job.cancel.is_set():
-                return job, future
+                return job, future, place
             self._settle(job, future, None, Cancelled())
+
+    def _pick(self, admitting: bool) -> int | None:
+        """The queue index _next_job takes (under the lock)."""
+        if not self._queue:
+            return None
+        siblings: dict[int, list[Any]] = {}
+        for seq, _, _, place in self._running.values():
+            siblings.setdefault(id(place), []).append(seq)
+        for i, item in enumerate(self._queue):
+            if id(item[2]) not in siblings:
+                return i
+        if not admitting or not self.engine.batch.shares_prompts:
+            return 0
+        return next((i for i, item in enumerate(self._queue)
+                     if not all(seq.prefilling for seq in siblings[id(item[2])])), None)
+
+    def _source(self, place: Place) -> Any:
+        """A running choice of the place's request whose prompt is in (None: none)."""
+        return next((seq for seq, _, _, other in self._running.values()
+                     if other is place and not seq.prefilling and not seq.finished), None)
 
     def _drop_unwanted(self) -> None:
         """Settle and drop the queued jobs whose clients left (their places count no more, so
         the queue may hold any number of them: it is swept every step)."""
         with self._wake:
-            if all(_wanted(job, future) for job, future in self._queue):
+            if all(_wanted(job, future) for job, future, _ in self._queue):
                 return
-            unwanted = [item for item in self._queue if not _wanted(*item)]
-            self._queue = deque(item for item in self._queue if _wanted(*item))
-        for job, future in unwanted:
+            unwanted = [item for item in self._queue if not _wanted(*item[:2])]
+            self._queue = deque(item for item in self._queue if _wanted(*item[:2]))
+        for job, future, _ in unwanted:
             future.set_running_or_notify_cancel()
             self._settle(job, future, None, Cancelled())
 
     def _admit(self, batch: Any) -> None:
         budget = PREFILL_PER_STEP
-        while budget > 0 and not batch.full and (item := self._next_job()) is not None:
-            job, future = item
+        while budget > 0 and not batch.full and (item := self._next_job(True)) is not None:
+            job, future, place = item
+            source = self._source(place)  # another choice: its prompt is copied
             try:
                 seq = self.engine.new_decode(
                     job.prompt_ids, max_tokens=job.max_tokens, stop=job.stop,
@@ -327,13 +365,13 @@ class EngineWorker:
             except Exception as err:  # a request the engine refuses (e.g. too long)
                 self._settle(job, future, None, err)
                 continue
-            self._running[id(seq)] = (seq, job, future)
-            if not batch.join(seq):  # its first chunk runs in the next step
+            self._running[id(seq)] = (seq, job, future, place)
+            if not batch.join(seq, source):  # its first chunk runs in the next step
                 self._finish(seq)
             budget -= min(len(seq.prompt) - seq.timing.reused_tokens, batch.prefill_chunk)
 
     def _finish(self, seq: Any) -> None:
-        _, job, future = self._running.pop(id(seq))
+        _, job, future, _ = self._running.pop(id(seq))
         if seq.error is not None:
             self._settle(job, future, None, seq.error)
             return
@@ -373,7 +411,7 @@ class EngineWorker:
         with self._wake:
             self._closed = True
             # a copy first: the engine thread may change it meanwhile
-            for _, job, _ in list(self._running.values()):
+            for _, job, *_ in list(self._running.values()):
                 job.cancel.set()
             self._wake.notify()
         if threading.current_thread() is self._thread:

@@ -53,6 +53,7 @@ from adaspark.model.cache import KVCache
 from adaspark.model.config import ModelConfig
 from adaspark.model.gguf import GGUFFile, GGUFTensor, read_gguf
 from adaspark.model.kernels import KernelTable, Linear, calibrated_table
+from adaspark.model.moe import PARTS, MoE
 from adaspark.model.shortconv import ShortConv, chain_sources, tree_sources
 
 PRECISIONS = ("fast", "reference")
@@ -139,6 +140,13 @@ class Block:
         self.act = ACTIVATIONS[c.traits.ffn_act]
         self.attn_norm = w.dense(p + "attn_norm.weight")
         self.ffn_norm = w.dense(p + "ffn_norm.weight")
+        # a routed FFN (moe.py) in place of the dense one, on the layers the config routes
+        self.moe: MoE | None = None
+        if c.is_moe(i):
+            bias = w.dense(p + "exp_probs_b.bias") if c.experts.selection_bias else None
+            self.moe = MoE({part: w.raw(p + f"ffn_{part}_exps.weight") for part in PARTS},
+                           w.dense(p + "ffn_gate_inp.weight"), bias, c.experts, precision,
+                           w.device)
         # a short-convolution layer (LFM2) mixes with `conv` instead of attention: its index
         # among the conv layers (its B*x slots in the cache), else its index among the
         # attention layers (its K/V)
@@ -189,7 +197,8 @@ class Block:
 
     def linears(self) -> list[Linear]:
         mixer = self.conv.linears() if self.conv is not None else [self.qkv, self.o]
-        return [*mixer, self.gate_up, self.down]
+        ffn = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
+        return [*mixer, *ffn]
 
 
 # --- arithmetic that differs by precision --------------------------------------------------------
@@ -508,9 +517,12 @@ class Transformer:
             if layer.post_attn_norm is not None:
                 out = rms_norm(out.float(), layer.post_attn_norm, c.norm_eps, exact)
             x += out  # a bf16 output added into the float32 stream
-            h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact).to(act)
-            gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)
-            out = layer.down(layer.act(gate) * up, kernel)
+            h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact)
+            if layer.moe is not None:  # routed by the float32 row
+                out = layer.moe(h, kernel, act)
+            else:
+                gate, up = layer.gate_up(h.to(act), kernel).chunk(2, dim=-1)
+                out = layer.down(layer.act(gate) * up, kernel)
             if layer.post_ffn_norm is not None:
                 out = rms_norm(out.float(), layer.post_ffn_norm, c.norm_eps, exact)
             x += out

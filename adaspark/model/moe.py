@@ -33,11 +33,19 @@ def expert_slice(t: GGUFTensor, expert: int) -> GGUFTensor:
     return GGUFTensor(f"{t.name}[{expert}]", t.qtype, t.shape[1:], t.data[expert])
 
 
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) as softmax over (x, 0): torch.sigmoid's vector body and scalar tail round
+    differently, and which elements fall in the tail depends on the tensor's size, so a row's
+    probabilities would depend on how many rows share the call; softmax over the last dim
+    runs each (row, expert) pair alike."""
+    return torch.softmax(torch.stack([x, torch.zeros_like(x)], -1), -1)[..., 0]
+
+
 def route(scores: torch.Tensor, experts: Experts,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [m, k] expert ids, best first; their weights [m, k] float32) from the router's
     logits [m, E] float32. A stable sort breaks ties towards the lower expert id."""
-    p = torch.softmax(scores, -1) if experts.gating == "softmax" else torch.sigmoid(scores)
+    p = torch.softmax(scores, -1) if experts.gating == "softmax" else row_sigmoid(scores)
     select = p if bias is None else p + bias
     chosen = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :experts.used]
     weights = p.gather(-1, chosen)

@@ -390,35 +390,43 @@ class Transformer:
         module, why = native.load()
         mixers = {False: ("attn_q", "attn_k", "attn_v", "attn_output"),
                   True: ("shortconv.in_proj", "shortconv.out_proj")}
+        ffns = {False: ("ffn_gate", "ffn_up", "ffn_down"),
+                True: tuple(f"ffn_{part}_exps" for part in PARTS)}
         names = [f"blk.{i}.{part}.weight" for i in range(c.n_layers)
-                 for part in (*mixers[c.is_conv(i)], "ffn_gate", "ffn_up", "ffn_down")] + [head]
+                 for part in (*mixers[c.is_conv(i)], *ffns[c.is_moe(i)])] + [head]
         if module is None:
             return None, why
-        why = native.unpackable([w.raw(n) for n in names])
+        why = native.unpackable([native.as_rows(w.raw(n)) for n in names])
         if why:
             return None, why
         if c.head_dim not in (32, 64, 128, 256) or c.dim % 16:  # attention's register blocking
             return None, ("the native forward needs head_dim 32, 64, 128 or 256 and dim a "
                           "multiple of 16")
+        if c.experts is not None and c.experts.ffn_dim % 32:  # an expert: whole row groups
+            return None, "the native forward needs an expert width that is a multiple of 32"
         packed_head = native.pack(module, [w.raw(head)])
         embeddings = packed_head if head == "token_embd.weight" else \
             native.pack_embeddings(module, w.raw("token_embd.weight"))
         bounds, norms = native.error_scales(w.raw(head)), native.packed_row_norms(packed_head)
         w.f.release_pages({head, "token_embd.weight"})  # packed: the mapped pages are copies
-        model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
+        dense_ffn = c.ffn_dim if any(not c.is_moe(i) for i in range(c.n_layers)) else 0
+        model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, dense_ffn, c.norm_eps,
                              self.rope_cos, self.rope_sin, embeddings, self.norm, packed_head,
                              bounds, norms, self.embed_scale, c.attn_scale)
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
+            # a routed layer: no dense FFN here, its experts below (route_layer)
+            gate_up = None if layer.moe else native.pack(
+                module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")])
+            down = None if layer.moe else native.pack(module, [w.raw(p + "ffn_down.weight")])
             if layer.conv is not None:  # in_proj and out_proj where q|k|v and o would be
                 model.add_layer(
                     layer.attn_norm, layer.ffn_norm, empty, empty, empty,
                     native.pack(module, [w.raw(p + "shortconv.in_proj.weight")]),
                     native.pack(module, [w.raw(p + "shortconv.out_proj.weight")]),
-                    native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
-                    native.pack(module, [w.raw(p + "ffn_down.weight")]),
-                    **self._native_parts(layer), conv_taps=layer.conv.taps)
+                    gate_up, down, **self._native_parts(layer), conv_taps=layer.conv.taps)
+                self._native_experts(module, model, i, layer)
                 w.f.release_pages(n for n in names if n.startswith(p))
                 continue
             bias = layer.qkv_bias  # rounded to bf16 as the torch path's Linear keeps it
@@ -431,14 +439,23 @@ class Transformer:
                                      w.raw(p + "attn_k.weight", c.n_kv_heads),
                                      w.raw(p + "attn_v.weight")]),
                 native.pack(module, [w.raw(p + "attn_output.weight")]),
-                native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
-                native.pack(module, [w.raw(p + "ffn_down.weight")]),
-                **self._native_parts(layer))
+                gate_up, down, **self._native_parts(layer))
+            self._native_experts(module, model, i, layer)
             w.f.release_pages(n for n in names if n.startswith(p))
         self.native_isa, self.native_module = module.ISA, module
         self.packed_embeddings = embeddings  # the drafter's native draft looks anchors up in it
         self._embedding_rows, self._head_rows = embeddings.rows, packed_head.rows
         return model, ""
+
+    def _native_experts(self, module, model, i: int, layer: Block) -> None:
+        """A routed layer's router, selection bias and expert tensors, each 3-D tensor packed
+        whole (its experts' rows one after another; moe.h takes each expert as a slice)."""
+        if layer.moe is None:
+            return
+        moe, e = layer.moe, layer.moe.experts
+        packed = [native.pack(module, [native.as_rows(moe.tensors[part])]) for part in PARTS]
+        model.route_layer(i, moe.router, torch.empty(0) if moe.bias is None else moe.bias,
+                          *packed, used=e.used, gating=e.gating, norm=e.norm_weights)
 
     def _native_parts(self, layer: Block) -> dict:
         """A layer's parts beyond llama's, as the native Model.add_layer takes them: the

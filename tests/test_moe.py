@@ -269,8 +269,9 @@ def test_native_routed_ffn_is_the_reference_within_its_rounding(natives, written
     native output is within 2x of that from the reference (measured 1.00x: the same int8
     blocks of the same rows) and within 0.25x of the emulation (measured <= 0.06x: summation
     order, an int8 step taken the other way at a tie). Another expert, a wrong weight or
-    renormalisation moves it by the output's own size: tens of `rounding`. The whole-model forwards are not compared this way: a 1%
-    rounding there may swap two experts whose scores sit within 1% (a discrete jump)."""
+    renormalisation moves it by the output's own size: tens of `rounding`. Whole-model forwards
+    are not compared this way: a 1% rounding there may swap two experts whose scores sit
+    within 1% of each other, a discrete jump no rounding bound covers."""
     from test_synthetic import FastRounding
 
     path = written(arch, qtype)
@@ -363,15 +364,22 @@ def test_native_one_row_steps_equal_the_chain(natives):
 
 @needs_llamacpp
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
-def test_native_forward_matches_llamacpp(written, arch, qtype):
-    """Every position within peer_logits' head rounding bound, argmaxes parting only at near
-    ties, as test_lfm2's peer check."""
-    path = written(arch, qtype)
-    if Transformer.from_gguf(path, max_context=32, calibrate=False).native is None:
-        pytest.skip("no native forward here")
-    r = pl.run(pl.parse_args(["--model", str(path), "--prompts", "1", "--max-tokens", "16",
-                              "--threads", "1", "--n-ctx", "256", "--max-chars", "400",
-                              "--conversations", "/nonexistent"]))
-    s = r["summary"]
-    assert s["max_ratio"] <= 1 and s["argmax_differences_not_near_ties"] == 0, s
+def test_float32_weights_match_llamacpp(written, arch):
+    """With F32 weights llama.cpp multiplies float32 activations, so both engines route each
+    row on the same scores up to float32 summation order and llama.cpp's fp16 K/V: the logits
+    part by what that leaves (test_lfm2's float32 check: measured 0.004 there) and argmaxes
+    agree. The limit, 0.05, is far below a wrong gate, bias or expert layout (logits move by
+    their spread, ~4). Quantised files are compared by benchmarks/peer_logits.py: there each
+    engine's own activation rounding (~1%) can swap two experts whose scores sit that close,
+    which no per-position rounding bound covers (docs/moe-targets.md)."""
+    path = written(arch, Q.F32)
+    ref = Transformer.from_gguf(path, precision="reference", max_context=128)
+    ids = list(range(10, 500, 23))
+    ours = pl.all_logits(ref, ids)
+    worker = pl.LogitsWorker(pl.vs.default_venv(), path, 1, 128)
+    try:
+        theirs = worker.logits(ids)
+    finally:
+        worker.close()
+    assert np.abs(ours - theirs).max() <= 0.05
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()

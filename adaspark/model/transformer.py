@@ -1,7 +1,8 @@
 """The target model: llama / qwen2 / qwen3 / gemma3 / lfm2 blocks over a static KV cache,
 verifying trees. LFM2's short-convolution layers (shortconv.py) keep each slot's B*x in the
 cache beside the attention layers' K/V, and a tree row's conv reads its own path's
-(docs/hybrid-targets.md).
+(docs/hybrid-targets.md). qwen3moe / lfm2moe layers route each row to a few experts in place
+of the dense FFN (moe.py; docs/moe-targets.md), a row's result independent of its neighbours.
 
 Read it top to bottom: `Block` is one decoder layer, `Transformer._forward` runs the rows of a
 call through all layers, and the public verbs are prefill / verify / commit (plus two batched

@@ -2,8 +2,9 @@
 // qwen3moe and lfm2moe): per row, router scores in float32, p = softmax or sigmoid of them,
 // the top-k experts by p (+ a selection bias), weights p of the chosen renormalised; then per
 // expert one matmul over the rows routed to it (the packed kernels of every other weight, on
-// the expert's slice of the 3-D tensors: views, no copy), and per row its experts' outputs
-// times their weights added in rank order.
+// the expert's slice of the 3-D tensors: views, no copy; all experts' matmuls in one parallel
+// region, qmatmul_many), and per row its experts' outputs times their weights added in rank
+// order.
 //
 // Why a routed row is the same whatever rows share its call: its routing reads only its own
 // row; the kernels give a row the same bits whatever the other rows of the call (kernels.h),
@@ -90,9 +91,9 @@ inline Routed make_routed(int64_t dim, torch::Tensor router, torch::Tensor bias,
 
 // Scratch of a routed FFN, kept between calls.
 struct MoeScratch {
-  std::vector<int64_t> chosen, order, first;  // [n, k]; slots by expert; each expert's first
+  std::vector<int64_t> chosen, order, first, active, index;  // see routed_ffn
   std::vector<float> weight, ranked, gu, act, y;
-  QAct rows;  // the rows routed to one expert, gathered
+  std::vector<QAct> rows, acts;  // per active expert: its rows; their activations after gate_up
 };
 
 // Per row r of h [n, dim]: chosen[r, 0..k) the top-k experts, best first (ties: the lower
@@ -134,54 +135,88 @@ inline void route_rows(const Routed& m, const float* h, int64_t n, int64_t dim, 
   });
 }
 
-// Rows `ids` of a (quantised activations) into out, as quantize_row made them.
-inline void gather_rows(const QAct& a, const int64_t* ids, int64_t m, QAct& out) {
-  prepare_rows(m, a.k, out);
+// Row r of a (quantised activations) into row j of out (prepared), as quantize_row made it.
+inline void copy_row(const QAct& a, int64_t r, QAct& out, int64_t j) {
   const int64_t k = a.k, nb = a.nb;
-  for_rows(m, [&](int64_t j) {
-    const int64_t r = ids[j];
-    std::memcpy(out.q.data() + j * k, a.q.data() + r * k, k);
-    std::memcpy(out.x.data() + j * k, a.x.data() + r * k, k * sizeof(float));
-    std::memcpy(out.dx.data() + j * nb, a.dx.data() + r * nb, nb * sizeof(float));
-    std::memcpy(out.xs.data() + j * nb, a.xs.data() + r * nb, nb * sizeof(float));
-    std::memcpy(out.qs.data() + j * nb, a.qs.data() + r * nb, nb * sizeof(int32_t));
-    std::memcpy(out.qh.data() + j * nb, a.qh.data() + r * nb, nb * sizeof(int32_t));
-  });
+  std::memcpy(out.q.data() + j * k, a.q.data() + r * k, k);
+  std::memcpy(out.x.data() + j * k, a.x.data() + r * k, k * sizeof(float));
+  std::memcpy(out.dx.data() + j * nb, a.dx.data() + r * nb, nb * sizeof(float));
+  std::memcpy(out.xs.data() + j * nb, a.xs.data() + r * nb, nb * sizeof(float));
+  std::memcpy(out.qs.data() + j * nb, a.qs.data() + r * nb, nb * sizeof(int32_t));
+  std::memcpy(out.qh.data() + j * nb, a.qh.data() + r * nb, nb * sizeof(int32_t));
 }
 
 // y [n, dim] = the routed FFN of rows h [n, dim] (float32, normed), quantised in a.
+// The n * k slots (row, rank) are sorted by expert (order; expert e's at first[e] ..
+// first[e + 1], rows ascending); each active expert's rows are gathered, and all experts'
+// gate_up, then all their downs, run as one qmatmul_many each; position i of `order` keeps
+// its gate_up output at gu[i], its down output at y[i]. Then each slot's output times its
+// weight goes to ranked[slot], and each row adds its slots in rank order.
 inline void routed_ffn(const Routed& m, const QAct& a, const float* h, int64_t n, int64_t dim,
                        float* y, MoeScratch& s) {
-  const int64_t E = m.router.size(0), k = m.used, f = m.ffn;
-  s.chosen.resize(n * k);
-  s.weight.resize(n * k);
-  s.ranked.resize(n * k * dim);
+  const int64_t E = m.router.size(0), k = m.used, f = m.ffn, total = n * k;
+  s.chosen.resize(total);
+  s.weight.resize(total);
   route_rows(m, h, n, dim, s.chosen.data(), s.weight.data());
-  // the slots (row, rank) of each expert, rows ascending: a counting sort by expert
   s.first.assign(E + 1, 0);
-  for (int64_t i = 0; i < n * k; ++i) ++s.first[s.chosen[i] + 1];
+  for (int64_t i = 0; i < total; ++i) ++s.first[s.chosen[i] + 1];
   for (int64_t e = 0; e < E; ++e) s.first[e + 1] += s.first[e];
-  s.order.resize(n * k);
-  std::vector<int64_t> at(s.first.begin(), s.first.end() - 1), ids;
-  for (int64_t i = 0; i < n * k; ++i) s.order[at[s.chosen[i]]++] = i;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m_e = s.first[e + 1] - s.first[e];
-    if (!m_e) continue;
-    const int64_t* slots = s.order.data() + s.first[e];
-    ids.resize(m_e);
-    for (int64_t j = 0; j < m_e; ++j) ids[j] = slots[j] / k;
-    gather_rows(a, ids.data(), m_e, s.rows);
-    s.gu.resize(m_e * 2 * f);
-    s.act.resize(m_e * f);
-    s.y.resize(m_e * dim);
-    gated_ffn(m.gate_up[e], m.down[e], s.rows, s.y.data(), m_e, dim, f, s.gu.data(),
-              s.act.data(), Act::silu);
-    for_rows(m_e, [&](int64_t j) {  // out_e times its weight, into the row's rank slot
-      const vf w = vset1(s.weight[slots[j]]);
-      float* dst = s.ranked.data() + slots[j] * dim;
-      for (int64_t i = 0; i < dim; i += W) vstore(dst + i, vmul(vload(s.y.data() + j * dim + i), w));
-    });
+  s.order.resize(total);
+  std::vector<int64_t> at(s.first.begin(), s.first.end() - 1);
+  for (int64_t i = 0; i < total; ++i) s.order[at[s.chosen[i]]++] = i;
+  s.active.clear();
+  s.index.assign(E, -1);
+  for (int64_t e = 0; e < E; ++e)
+    if (s.first[e + 1] > s.first[e]) {
+      s.index[e] = static_cast<int64_t>(s.active.size());
+      s.active.push_back(e);
+    }
+  const size_t A = s.active.size();
+  if (s.rows.size() < A) s.rows.resize(A), s.acts.resize(A);
+  for (size_t i = 0; i < A; ++i) {
+    const int64_t e = s.active[i], count = s.first[e + 1] - s.first[e];
+    prepare_rows(count, dim, s.rows[i]);
+    prepare_rows(count, f, s.acts[i]);
   }
+  // the expert of order position i, and its row there
+  auto slot_at = [&](int64_t i, int64_t& expert, int64_t& j) {
+    expert = s.chosen[s.order[i]];
+    j = i - s.first[expert];
+  };
+  for_rows(total, [&](int64_t i) {
+    int64_t e, j;
+    slot_at(i, e, j);
+    copy_row(a, s.order[i] / k, s.rows[s.index[e]], j);
+  });
+  s.gu.resize(total * 2 * f);
+  s.act.resize(total * f);
+  s.y.resize(total * dim);
+  s.ranked.resize(total * dim);
+  std::vector<MatmulJob> jobs(A);
+  for (size_t i = 0; i < A; ++i) {
+    const int64_t e = s.active[i];
+    jobs[i] = MatmulJob{&m.gate_up[e], &s.rows[i], s.gu.data() + s.first[e] * 2 * f, 2 * f};
+  }
+  qmatmul_many(jobs);
+  for_rows(total, [&](int64_t i) {
+    int64_t e, j;
+    slot_at(i, e, j);
+    const float* g = s.gu.data() + i * 2 * f;
+    silu_mul_row(g, g + f, s.act.data() + i * f, f);
+    quantize_row(s.act.data() + i * f, j, s.acts[s.index[e]]);
+  });
+  for (size_t i = 0; i < A; ++i) {
+    const int64_t e = s.active[i];
+    jobs[i] = MatmulJob{&m.down[e], &s.acts[i], s.y.data() + s.first[e] * dim, dim};
+  }
+  qmatmul_many(jobs);
+  for_rows(total, [&](int64_t i) {  // an expert's output times its weight, into its slot
+    const int64_t slot = s.order[i];
+    const vf w = vset1(s.weight[slot]);
+    const float* src = s.y.data() + i * dim;
+    float* dst = s.ranked.data() + slot * dim;
+    for (int64_t c = 0; c < dim; c += W) vstore(dst + c, vmul(vload(src + c), w));
+  });
   for_rows(n, [&](int64_t r) {  // rank order: the best expert's output first
     const float* src = s.ranked.data() + r * k * dim;
     std::memcpy(y + r * dim, src, dim * sizeof(float));

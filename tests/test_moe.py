@@ -293,6 +293,46 @@ def test_native_routed_ffn_is_the_reference_within_its_rounding(natives, written
     assert float((native - emulation).abs().max()) <= 0.25 * rounding
 
 
+def test_ties_go_to_the_lower_expert_on_both_forwards(tmp_path, monkeypatch):
+    """Experts 2 and 5 of every routed layer given the same router row: their scores tie
+    exactly on either forward. Where only one of them fits a row's top-k, both take expert 2:
+    the reference's choice shows it, and the native FFN on those rows is the reference's
+    (rounding emulated, as above) within a fraction of its rounding; taking expert 5 there
+    would move it by the output's size."""
+    from test_synthetic import FastRounding
+
+    drawn = syn.tensor_data
+
+    def tied(spec, qtype, seed):
+        data = drawn(spec, qtype, seed)
+        if spec.name.endswith("ffn_gate_inp.weight"):
+            data = data.copy()
+            data[5] = data[2]
+        return data
+
+    monkeypatch.setattr(syn, "tensor_data", tied)
+    path = syn.write_model(tmp_path / "tied.gguf", syn.Recipe(
+        "qwen3moe", syn.QWEN3MOE_SHAPES["tiny"], Q.Q8_0, seed=SEEDS["qwen3moe"]))
+    ref = Transformer.from_gguf(path, precision="reference", max_context=32)
+    moe = ref.layers[0].moe
+    h = torch.randn(400, ref.config.dim, generator=torch.Generator().manual_seed(5))
+    chosen, _ = moe.route(h)
+    has2, has5 = (chosen == 2).any(1), (chosen == 5).any(1)
+    assert not (has5 & ~has2).any()  # never 5 without 2
+    boundary = has2 & ~has5  # the tie decided who is in
+    assert int(boundary.sum()) >= 10
+    fast = Transformer.from_gguf(path, precision="fast", max_context=32, calibrate=False)
+    if fast.native is None:
+        pytest.skip(f"no native forward here: {fast.native_note}")
+    rows = h[boundary]
+    exact = moe(rows, "bf16", torch.float32)
+    for e in range(moe.experts.count):
+        moe._linears[e] = tuple(FastRounding(lin, True, True) for lin in moe.expert(e))
+    emulation = moe(rows, "bf16", torch.float32)
+    rounding = float((emulation - exact).abs().max())
+    assert float((fast.native.ffn(0, rows) - emulation).abs().max()) <= 0.25 * rounding
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("prompt", [[5], list(range(30, 45))], ids=["one-token", "fifteen"])
 def test_native_tree_rows_equal_the_chain_decode_exactly(natives, arch, prompt):

@@ -60,9 +60,10 @@ def test_every_arch_and_type_loads_with_its_shapes(written, arch, qtype):
     assert f.architecture == arch and set(f.tensors) == {s.name for s in specs}
     for s in specs:
         t = f.tensors[s.name]
-        assert t.shape == (s.shape if len(s.shape) == 2 else (s.shape[0],))
-        conv_taps = s.name.endswith("shortconv.conv.weight")  # F32, as llama.cpp keeps them
-        assert t.qtype == (qtype if len(s.shape) == 2 and not conv_taps else Q.F32), s.name
+        assert t.shape == s.shape  # (n,), (rows, inputs) or (experts, rows, inputs)
+        # conv taps and routers F32, as llama.cpp's converter keeps them
+        kept = s.name.endswith(syn.F32_MATRICES)
+        assert t.qtype == (qtype if len(s.shape) > 1 and not kept else Q.F32), s.name
     c = ModelConfig.from_metadata(f.metadata)
     assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size) == (
         tiny.n_layers, tiny.dim, tiny.n_heads, tiny.n_kv_heads, tiny.head_dim, tiny.ffn_dim,
@@ -70,9 +71,14 @@ def test_every_arch_and_type_loads_with_its_shapes(written, arch, qtype):
     attention = tuple(range(tiny.n_layers)) if tiny.attention_layers is None else \
         tiny.attention_layers
     assert c.attention_layers == attention
-    assert c.conv_kernel == (tiny.conv_kernel if arch == "lfm2" else 0)
+    kind = syn.ARCHITECTURES[arch]
+    assert c.conv_kernel == (tiny.conv_kernel if kind.shortconv else 0)
     assert ("blk.0.attn_q.bias" in f.tensors) == (arch == "qwen2")
-    assert ("blk.0.attn_q_norm.weight" in f.tensors) == (arch == "qwen3")
+    assert ("blk.0.attn_q_norm.weight" in f.tensors) == (kind.qk_norm and 0 in attention)
+    assert (c.experts is not None) == kind.moe
+    if kind.moe:  # the expert keys as written
+        assert (c.experts.count, c.experts.used, c.experts.ffn_dim, c.experts.dense_lead) == (
+            tiny.experts, tiny.experts_used, tiny.expert_ffn_dim, tiny.dense_lead)
 
 
 @pytest.mark.parametrize("qtype", syn.QUANTIZED_BY_GGUF, ids=lambda t: t.name)
@@ -151,20 +157,33 @@ def with_fast_rounding(model: Transformer, native: bool, integer: bool) -> Trans
     """The reference model, its every projection rounding as the fast forward's does."""
     q_cols = model.config.n_heads * model.config.head_dim
     for block in model.layers:  # the projections are cached properties: instance attributes
-        for name in ("gate_up", "down") if block.conv else ("qkv", "o", "gate_up", "down"):
+        mixer = () if block.conv else ("qkv", "o")
+        ffn = () if block.moe else ("gate_up", "down")
+        for name in (*mixer, *ffn):
             block.__dict__[name] = FastRounding(getattr(block, name), native, integer,
                                                 q_cols if name == "qkv" else None)
         if block.conv:  # a conv layer's projections (ShortConv keeps them likewise)
             for name in ("in_proj", "out_proj"):
                 block.conv.__dict__[name] = FastRounding(getattr(block.conv, name), native,
                                                          integer)
+        if block.moe:  # each expert's projections (MoE keeps them by expert id); the router
+            for e in range(block.moe.experts.count):  # stays float32 on every forward
+                block.moe._linears[e] = tuple(FastRounding(lin, native, integer)
+                                              for lin in block.moe.expert(e))
     model.output = FastRounding(model.output, native, integer)
     if native:  # the native forward keeps the conv layers' B*x in fp16, as its K/V
         model.cache.conv = model.cache.conv.half()
     return model
 
 
-@pytest.mark.parametrize(("arch", "qtype"), ARCH_TYPES, ids=lambda x: getattr(x, "name", x))
+# routed architectures choose experts by comparing scores: a rounding that moves a row by 1%
+# can swap two experts whose scores sit within that, a discrete jump no rounding bound covers,
+# so their forwards are compared per routed FFN on shared inputs instead (test_moe.py)
+DENSE_ARCH_TYPES = [(a, t) for a, t in ARCH_TYPES if not syn.ARCHITECTURES[a].moe]
+
+
+@pytest.mark.parametrize(("arch", "qtype"), DENSE_ARCH_TYPES,
+                         ids=lambda x: getattr(x, "name", x))
 def test_fast_forward_agrees_with_the_reference(written, arch, qtype):
     """Whatever forward the loader picks for this type, its logits are as far from the float32
     reference as its rounding puts them, and the argmax is the reference's wherever the top two

@@ -28,6 +28,12 @@ class ArchTraits:
     # (shortconv.py: LFM2's), their window length `shortconv.l_cache`
     shortconv: bool = False
     final_norm: str = "output_norm.weight"  # the final RMSNorm's tensor
+    # a routed FFN (moe.py) on the layers past `leading_dense_block_count`: the router's gate
+    # (softmax | sigmoid) when the file names none (`expert_gating_func`), whether a selection
+    # bias `exp_probs_b` is added before the top-k, whether the chosen weights are renormalised
+    moe_gating: str | None = None
+    moe_selection_bias: bool = False
+    moe_norm_weights: bool = True
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -43,7 +49,32 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     # QK-norm and NeoX RoPE, the final norm stored as token_embd_norm
     "lfm2": ArchTraits(pair_rope_rows=True, qk_norm=True, shortconv=True,
                        final_norm="token_embd_norm.weight"),
+    # llama.cpp's qwen3moe graph: qwen3's attention, a softmax-routed FFN on every layer
+    "qwen3moe": ArchTraits(pair_rope_rows=True, qk_norm=True, moe_gating="softmax"),
+    # llama.cpp's lfm2moe graph: lfm2's layers, dense FFNs first, then sigmoid-routed ones
+    # choosing by p + exp_probs_b and weighting by p
+    "lfm2moe": ArchTraits(pair_rope_rows=True, qk_norm=True, shortconv=True,
+                          final_norm="token_embd_norm.weight", moe_gating="sigmoid",
+                          moe_selection_bias=True),
 }
+
+# llama.cpp's llama_expert_gating_func_type (the `{arch}.expert_gating_func` values)
+GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A routed FFN's hyper-parameters (the `{arch}.expert_*` keys)."""
+    count: int  # experts per routed layer
+    used: int  # experts each row runs (top-k)
+    ffn_dim: int  # each expert's FFN width
+    gating: str  # the router's gate: softmax | sigmoid
+    dense_lead: int = 0  # the first layers keep a dense FFN
+    selection_bias: bool = False  # choose by p + exp_probs_b (weights stay p)
+    norm_weights: bool = True  # the chosen weights divided by their sum
+
+    def routed(self, layer: int) -> bool:
+        return layer >= self.dense_lead
 
 
 @dataclass(frozen=True)
@@ -68,6 +99,10 @@ class ModelConfig:
     rope_factor: float = 1.0  # global layers' linear RoPE scaling: positions / factor
     conv_layers: tuple[int, ...] = ()  # the short-convolution layers (traits.shortconv)
     conv_kernel: int = 0  # their window: each reads the last conv_kernel rows' B*x
+    experts: Experts | None = None  # the routed FFN (traits.moe_gating), else None
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts is not None and self.experts.routed(layer)
 
     def is_conv(self, layer: int) -> bool:
         return layer in self.conv_layers
@@ -137,7 +172,36 @@ class ModelConfig:
             rope_factor=_rope_factor(meta, arch),
             conv_layers=conv_layers,
             conv_kernel=conv_kernel,
+            experts=_experts(traits, n_layers, get),
         )
+
+
+def _experts(traits: ArchTraits, n_layers: int, get) -> Experts | None:
+    """The routed FFN's keys, checked (llama.cpp refuses a file without them too)."""
+    if traits.moe_gating is None:
+        return None
+    count, used = int(get("expert_count")), int(get("expert_used_count"))
+    if not 0 < used <= count:
+        raise UserError(f"expert_used_count {used} must be 1..expert_count ({count})")
+    code = get("expert_gating_func", 0)
+    if code and int(code) not in GATING_FUNCS:
+        raise UserError(f"expert_gating_func {code} is not supported (supported: "
+                        f"{', '.join(f'{k} ({v})' for k, v in GATING_FUNCS.items())})")
+    ffn = get("expert_feed_forward_length")
+    if isinstance(ffn, (list, tuple)):  # one per layer: only one width is supported
+        if len(set(ffn)) != 1:
+            raise UserError(f"experts of different widths per layer {sorted(set(ffn))} are "
+                            "not supported")
+        ffn = ffn[0]
+    lead = int(get("leading_dense_block_count", 0))
+    if not 0 <= lead <= n_layers:
+        raise UserError(f"leading_dense_block_count {lead} is outside 0..{n_layers}")
+    if int(get("expert_shared_count", 0)):
+        raise UserError("shared experts are not supported")
+    return Experts(count=count, used=used, ffn_dim=int(ffn),
+                   gating=GATING_FUNCS[int(code)] if code else traits.moe_gating,
+                   dense_lead=lead, selection_bias=traits.moe_selection_bias,
+                   norm_weights=traits.moe_norm_weights)
 
 
 def _kv_heads(traits: ArchTraits, n_layers: int, value: Any, get,

@@ -29,7 +29,9 @@ for Qwen's padded vocabularies); its chat template comes along, so Engine.load a
 
 Architectures: llama, qwen2 (q/k/v biases), qwen3 (per-head q/k norms), lfm2 (LFM2's short
 convolution layers beside a few attention layers: shapes of their own, LFM2_SHAPES; the conv
-taps stay F32 whatever the type, as llama.cpp's converter keeps them). Another is one more
+taps stay F32 whatever the type, as llama.cpp's converter keeps them), qwen3moe and lfm2moe
+(routed FFNs: a router kept F32, three 3-D expert tensors in the chosen type, lfm2moe's
+selection bias; QWEN3MOE_SHAPES, LFM2MOE_SHAPES). Another is one more
 ARCHITECTURES entry: its per-layer vectors, whether it has biases, and a hook for its own
 metadata keys; gemma3 would add ("post_attention_norm", "post_ffw_norm") to layer_norms, the
 q/k norms, and its sliding-window and embedding-scale keys in `metadata`.
@@ -52,7 +54,14 @@ from pathlib import Path
 
 import numpy as np
 import platformdirs
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, quants
+from gguf import (
+    GGML_QUANT_SIZES,
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFWriter,
+    LlamaFileType,
+    quants,
+)
 
 Q = GGMLQuantizationType
 LOGIT_SCALE = 4.0
@@ -61,6 +70,8 @@ QUANTIZED_BY_GGUF = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                    Q.Q6_K: (208, None)}
 TYPES = (*QUANTIZED_BY_GGUF, *K_SCALE_OFFSETS)
+# matrices kept F32 whatever the type (as llama.cpp's converter keeps them): conv taps, routers
+F32_MATRICES = ("shortconv.conv.weight", "ffn_gate_inp.weight")
 ROWS_PER_CHUNK = 4096  # rows drawn and quantised at a time: bounds memory on big tensors
 
 SMOL_BASE = 252  # SmolLM2: 17 control tokens and 235 byte tokens come before the first merge
@@ -82,6 +93,10 @@ class Shape:
     tied: bool = True  # no output.weight: the head is the embedding
     attention_layers: tuple[int, ...] | None = None  # lfm2: the layers that attend (None: all)
     conv_kernel: int = 3  # lfm2: the conv layers' window (shortconv.l_cache)
+    experts: int = 0  # routed FFNs (qwen3moe, lfm2moe): experts per layer ...
+    experts_used: int = 0  # ... the top-k each row runs ...
+    expert_ffn_dim: int = 0  # ... each expert's width ...
+    dense_lead: int = 0  # ... after this many dense-FFN layers
 
 
 # Qwen3's published configs (config.json of Qwen/Qwen3-0.6B and -1.7B: 28 layers, 16 query
@@ -106,6 +121,28 @@ LFM2_SHAPES = {
 }
 
 
+# Routed FFNs. "tiny": every path in a few MB (K-quant super-blocks in every matrix's inputs,
+# 8 experts, enough that rows choose differently); qwen3moe "30b-a3b" Qwen/Qwen3-30B-A3B's
+# config.json (48 layers, 32 query and 4 KV heads of 128, 128 experts top-8 of width 768, the
+# dense width 6144 written but unused, vocab 151936, untied head, 40960 positions); lfm2moe
+# "8b-a1b" LiquidAI/LFM2-8B-A1B's (24 layers, 2 dense ones of width 7168 first, 32 experts
+# top-4 of width 1792, 32 heads and 8 KV heads of 64, vocab 65536, tied; attention layers
+# assumed at 2, 6, 10, 14, 18, 21: six, as in the 1.2B, from the model card's layer_types).
+QWEN3MOE_SHAPES = {
+    "tiny": Shape(2, 256, 4, 2, 64, 512, 512, context_length=1024, experts=8, experts_used=2,
+                  expert_ffn_dim=256),
+    "30b-a3b": Shape(48, 2048, 32, 4, 128, 6144, 151936, context_length=40960, tied=False,
+                     experts=128, experts_used=8, expert_ffn_dim=768),
+}
+LFM2MOE_SHAPES = {
+    "tiny": Shape(4, 256, 4, 2, 64, 512, 512, context_length=1024, attention_layers=(2,),
+                  experts=8, experts_used=3, expert_ffn_dim=256, dense_lead=1),
+    "8b-a1b": Shape(24, 2048, 32, 8, 64, 7168, 65536, context_length=128000, norm_eps=1e-5,
+                    attention_layers=(2, 6, 10, 14, 18, 21), experts=32, experts_used=4,
+                    expert_ffn_dim=1792, dense_lead=2),
+}
+
+
 @dataclass(frozen=True)
 class Arch:
     name: str
@@ -116,6 +153,8 @@ class Arch:
     shapes: Mapping[str, Shape] | None = None  # its own named shapes (None: SHAPES)
     final_norm: str = "output_norm"
     shortconv: bool = False  # layers outside shape.attention_layers are short convolutions
+    moe: bool = False  # routed FFNs past shape.dense_lead (experts, a router)
+    selection_bias: bool = False  # the router's exp_probs_b (lfm2moe)
 
 
 def _lfm2_metadata(w: GGUFWriter, s: Shape) -> None:
@@ -125,11 +164,30 @@ def _lfm2_metadata(w: GGUFWriter, s: Shape) -> None:
     w.add_shortconv_l_cache(s.conv_kernel)
 
 
+def _experts_metadata(w: GGUFWriter, s: Shape) -> None:
+    w.add_expert_count(s.experts)
+    w.add_expert_used_count(s.experts_used)
+    w.add_expert_feed_forward_length(s.expert_ffn_dim)
+
+
+def _lfm2moe_metadata(w: GGUFWriter, s: Shape) -> None:
+    """lfm2's keys and the experts', as convert_hf_to_gguf's LFM2MoeModel writes them."""
+    _lfm2_metadata(w, s)
+    _experts_metadata(w, s)
+    w.add_leading_dense_block_count(s.dense_lead)
+    w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+
+
 ARCHITECTURES = {"llama": Arch("llama"), "qwen2": Arch("qwen2", bias=True),
                  "qwen3": Arch("qwen3", qk_norm=True),
                  "lfm2": Arch("lfm2", qk_norm=True, metadata=_lfm2_metadata,
                               shapes=LFM2_SHAPES, final_norm="token_embd_norm",
-                              shortconv=True)}
+                              shortconv=True),
+                 "qwen3moe": Arch("qwen3moe", qk_norm=True, metadata=_experts_metadata,
+                                  shapes=QWEN3MOE_SHAPES, moe=True),
+                 "lfm2moe": Arch("lfm2moe", qk_norm=True, metadata=_lfm2moe_metadata,
+                                 shapes=LFM2MOE_SHAPES, final_norm="token_embd_norm",
+                                 shortconv=True, moe=True, selection_bias=True)}
 
 
 def _attention_layers(s: Shape) -> tuple[int, ...]:
@@ -144,7 +202,7 @@ def shapes_of(arch: str) -> Mapping[str, Shape]:
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    shape: tuple[int, ...]  # torch order: (rows, inputs) or (n,)
+    shape: tuple[int, ...]  # torch order: (rows, inputs), (experts, rows, inputs) or (n,)
     std: float
     offset: float = 0.0  # norm weights centre on 1
 
@@ -159,6 +217,19 @@ def tensor_specs(arch: Arch, s: Shape) -> list[TensorSpec]:
     def norm(name: str, n: int) -> TensorSpec:
         return TensorSpec(name, (n,), 0.1, 1.0)
 
+    def ffn(p: str, i: int) -> list[TensorSpec]:
+        if not arch.moe or i < s.dense_lead:
+            return [mat(p + "ffn_gate.weight", s.ffn_dim, s.dim),
+                    mat(p + "ffn_up.weight", s.ffn_dim, s.dim),
+                    mat(p + "ffn_down.weight", s.dim, s.ffn_dim)]
+        e, f = s.experts, s.expert_ffn_dim
+        out = [mat(p + "ffn_gate_inp.weight", e, s.dim)]  # router logits of std ~1
+        if arch.selection_bias:
+            out.append(TensorSpec(p + "exp_probs_b.bias", (e,), 0.1))
+        return out + [TensorSpec(p + "ffn_gate_exps.weight", (e, f, s.dim), s.dim ** -0.5),
+                      TensorSpec(p + "ffn_up_exps.weight", (e, f, s.dim), s.dim ** -0.5),
+                      TensorSpec(p + "ffn_down_exps.weight", (e, s.dim, f), f ** -0.5)]
+
     embed_std = LOGIT_SCALE * s.dim ** -0.5
     specs = [TensorSpec("token_embd.weight", (s.vocab_size, s.dim), embed_std)]
     attention = _attention_layers(s)
@@ -169,16 +240,11 @@ def tensor_specs(arch: Arch, s: Shape) -> list[TensorSpec]:
             specs += [mat(p + "shortconv.in_proj.weight", 3 * s.dim, s.dim),
                       TensorSpec(p + "shortconv.conv.weight", (s.dim, s.conv_kernel),
                                  s.conv_kernel ** -0.5),
-                      mat(p + "shortconv.out_proj.weight", s.dim, s.dim),
-                      mat(p + "ffn_gate.weight", s.ffn_dim, s.dim),
-                      mat(p + "ffn_up.weight", s.ffn_dim, s.dim),
-                      mat(p + "ffn_down.weight", s.dim, s.ffn_dim)]
+                      mat(p + "shortconv.out_proj.weight", s.dim, s.dim), *ffn(p, i)]
             continue
         specs += [mat(p + "attn_q.weight", q, s.dim), mat(p + "attn_k.weight", kv, s.dim),
                   mat(p + "attn_v.weight", kv, s.dim), mat(p + "attn_output.weight", s.dim, q),
-                  mat(p + "ffn_gate.weight", s.ffn_dim, s.dim),
-                  mat(p + "ffn_up.weight", s.ffn_dim, s.dim),
-                  mat(p + "ffn_down.weight", s.dim, s.ffn_dim)]
+                  *ffn(p, i)]
         if arch.bias:
             specs += [TensorSpec(p + f"attn_{x}.bias", (n,), 0.1)
                       for x, n in (("q", q), ("k", kv), ("v", kv))]
@@ -256,7 +322,8 @@ def tensor_data(spec: TensorSpec, qtype: Q, seed: int) -> np.ndarray:
     rng = _rng(seed, spec.name)
     if len(spec.shape) == 1:
         return _values(rng, spec, 1)[0]
-    rows, cols = spec.shape
+    *outer, cols = spec.shape
+    rows = int(np.prod(outer))  # an expert tensor: its experts' rows one after another
     parts = []
     for start in range(0, rows, ROWS_PER_CHUNK):
         n = min(ROWS_PER_CHUNK, rows - start)
@@ -264,7 +331,8 @@ def tensor_data(spec: TensorSpec, qtype: Q, seed: int) -> np.ndarray:
             parts.append(random_k_blocks(rng, qtype, n, cols, spec.std))
         else:
             parts.append(encode(_values(rng, spec, n), qtype))
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return data.reshape(*outer, -1) if len(outer) > 1 else data
 
 
 def nbytes(shape: tuple[int, ...], qtype: Q) -> int:
@@ -334,7 +402,7 @@ class Recipe:
     seed: int = 0
 
     def type_of(self, spec: TensorSpec) -> Q:
-        if len(spec.shape) == 1 or spec.name.endswith("shortconv.conv.weight"):
+        if len(spec.shape) == 1 or spec.name.endswith(F32_MATRICES):
             return Q.F32
         hits = [k for k in self.overrides if k in spec.name]
         return self.overrides[max(hits, key=len)] if hits else self.qtype
@@ -461,8 +529,10 @@ def parse_override(text: str) -> tuple[str, Q]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
-    p.add_argument("--shape", choices=sorted({*SHAPES, *LFM2_SHAPES}), default="tiny",
-                   help="a named shape of the architecture (lfm2: tiny, 1.2b)")
+    p.add_argument("--shape", default="tiny",
+                   choices=sorted({n for a in ARCHITECTURES for n in shapes_of(a)}),
+                   help="a named shape of the architecture (lfm2: tiny, 1.2b; qwen3moe: tiny, "
+                        "30b-a3b; lfm2moe: tiny, 8b-a1b)")
     p.add_argument("--layers", type=int, help="override the shape's layer count")
     p.add_argument("--vocab", type=int, help="override the shape's vocabulary size")
     p.add_argument("--untied", action="store_true", help="write a separate output.weight")
@@ -490,7 +560,9 @@ def main(argv=None) -> int:
                          f"not {args.shape!r}")
     shape = shapes[args.shape]
     shape = replace(shape, n_layers=args.layers or shape.n_layers,
-                    vocab_size=args.vocab or shape.vocab_size, tied=not args.untied)
+                    vocab_size=args.vocab or shape.vocab_size,
+                    tied=shape.tied and not args.untied,
+                    dense_lead=min(shape.dense_lead, args.layers or shape.n_layers))
     if args.layers and shape.attention_layers is not None:  # those within the layers kept
         shape = replace(shape, attention_layers=tuple(i for i in shape.attention_layers
                                                       if i < args.layers))

@@ -1,7 +1,8 @@
 """The target model: llama / qwen2 / qwen3 / gemma3 / lfm2 blocks over a static KV cache,
 verifying trees. LFM2's short-convolution layers (shortconv.py) keep each slot's B*x in the
 cache beside the attention layers' K/V, and a tree row's conv reads its own path's
-(docs/hybrid-targets.md).
+(docs/hybrid-targets.md). qwen3moe / lfm2moe layers route each row to a few experts in place
+of the dense FFN (moe.py; docs/moe-targets.md), a row's result independent of its neighbours.
 
 Read it top to bottom: `Block` is one decoder layer, `Transformer._forward` runs the rows of a
 call through all layers, and the public verbs are prefill / verify / commit (plus two batched
@@ -53,6 +54,7 @@ from adaspark.model.cache import KVCache
 from adaspark.model.config import ModelConfig
 from adaspark.model.gguf import GGUFFile, GGUFTensor, read_gguf
 from adaspark.model.kernels import KernelTable, Linear, calibrated_table
+from adaspark.model.moe import PARTS, MoE
 from adaspark.model.shortconv import ShortConv, chain_sources, tree_sources
 
 PRECISIONS = ("fast", "reference")
@@ -139,6 +141,13 @@ class Block:
         self.act = ACTIVATIONS[c.traits.ffn_act]
         self.attn_norm = w.dense(p + "attn_norm.weight")
         self.ffn_norm = w.dense(p + "ffn_norm.weight")
+        # a routed FFN (moe.py) in place of the dense one, on the layers the config routes
+        self.moe: MoE | None = None
+        if c.is_moe(i):
+            bias = w.dense(p + "exp_probs_b.bias") if c.experts.selection_bias else None
+            self.moe = MoE({part: w.raw(p + f"ffn_{part}_exps.weight") for part in PARTS},
+                           w.dense(p + "ffn_gate_inp.weight"), bias, c.experts, precision,
+                           w.device)
         # a short-convolution layer (LFM2) mixes with `conv` instead of attention: its index
         # among the conv layers (its B*x slots in the cache), else its index among the
         # attention layers (its K/V)
@@ -189,7 +198,8 @@ class Block:
 
     def linears(self) -> list[Linear]:
         mixer = self.conv.linears() if self.conv is not None else [self.qkv, self.o]
-        return [*mixer, self.gate_up, self.down]
+        ffn = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
+        return [*mixer, *ffn]
 
 
 # --- arithmetic that differs by precision --------------------------------------------------------
@@ -381,35 +391,43 @@ class Transformer:
         module, why = native.load()
         mixers = {False: ("attn_q", "attn_k", "attn_v", "attn_output"),
                   True: ("shortconv.in_proj", "shortconv.out_proj")}
+        ffns = {False: ("ffn_gate", "ffn_up", "ffn_down"),
+                True: tuple(f"ffn_{part}_exps" for part in PARTS)}
         names = [f"blk.{i}.{part}.weight" for i in range(c.n_layers)
-                 for part in (*mixers[c.is_conv(i)], "ffn_gate", "ffn_up", "ffn_down")] + [head]
+                 for part in (*mixers[c.is_conv(i)], *ffns[c.is_moe(i)])] + [head]
         if module is None:
             return None, why
-        why = native.unpackable([w.raw(n) for n in names])
+        why = native.unpackable([native.as_rows(w.raw(n)) for n in names])
         if why:
             return None, why
         if c.head_dim not in (32, 64, 128, 256) or c.dim % 16:  # attention's register blocking
             return None, ("the native forward needs head_dim 32, 64, 128 or 256 and dim a "
                           "multiple of 16")
+        if c.experts is not None and c.experts.ffn_dim % 32:  # an expert: whole row groups
+            return None, "the native forward needs an expert width that is a multiple of 32"
         packed_head = native.pack(module, [w.raw(head)])
         embeddings = packed_head if head == "token_embd.weight" else \
             native.pack_embeddings(module, w.raw("token_embd.weight"))
         bounds, norms = native.error_scales(w.raw(head)), native.packed_row_norms(packed_head)
         w.f.release_pages({head, "token_embd.weight"})  # packed: the mapped pages are copies
-        model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.norm_eps,
+        dense_ffn = c.ffn_dim if any(not c.is_moe(i) for i in range(c.n_layers)) else 0
+        model = module.Model(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, dense_ffn, c.norm_eps,
                              self.rope_cos, self.rope_sin, embeddings, self.norm, packed_head,
                              bounds, norms, self.embed_scale, c.attn_scale)
         empty = torch.empty(0)
         for i, layer in enumerate(self.layers):
             p = f"blk.{i}."
+            # a routed layer: no dense FFN here, its experts below (route_layer)
+            gate_up = None if layer.moe else native.pack(
+                module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")])
+            down = None if layer.moe else native.pack(module, [w.raw(p + "ffn_down.weight")])
             if layer.conv is not None:  # in_proj and out_proj where q|k|v and o would be
                 model.add_layer(
                     layer.attn_norm, layer.ffn_norm, empty, empty, empty,
                     native.pack(module, [w.raw(p + "shortconv.in_proj.weight")]),
                     native.pack(module, [w.raw(p + "shortconv.out_proj.weight")]),
-                    native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
-                    native.pack(module, [w.raw(p + "ffn_down.weight")]),
-                    **self._native_parts(layer), conv_taps=layer.conv.taps)
+                    gate_up, down, **self._native_parts(layer), conv_taps=layer.conv.taps)
+                self._native_experts(module, model, i, layer)
                 w.f.release_pages(n for n in names if n.startswith(p))
                 continue
             bias = layer.qkv_bias  # rounded to bf16 as the torch path's Linear keeps it
@@ -422,14 +440,23 @@ class Transformer:
                                      w.raw(p + "attn_k.weight", c.n_kv_heads),
                                      w.raw(p + "attn_v.weight")]),
                 native.pack(module, [w.raw(p + "attn_output.weight")]),
-                native.pack(module, [w.raw(p + "ffn_gate.weight"), w.raw(p + "ffn_up.weight")]),
-                native.pack(module, [w.raw(p + "ffn_down.weight")]),
-                **self._native_parts(layer))
+                gate_up, down, **self._native_parts(layer))
+            self._native_experts(module, model, i, layer)
             w.f.release_pages(n for n in names if n.startswith(p))
         self.native_isa, self.native_module = module.ISA, module
         self.packed_embeddings = embeddings  # the drafter's native draft looks anchors up in it
         self._embedding_rows, self._head_rows = embeddings.rows, packed_head.rows
         return model, ""
+
+    def _native_experts(self, module, model, i: int, layer: Block) -> None:
+        """A routed layer's router, selection bias and expert tensors, each 3-D tensor packed
+        whole (its experts' rows one after another; moe.h takes each expert as a slice)."""
+        if layer.moe is None:
+            return
+        moe, e = layer.moe, layer.moe.experts
+        packed = [native.pack(module, [native.as_rows(moe.tensors[part])]) for part in PARTS]
+        model.route_layer(i, moe.router, torch.empty(0) if moe.bias is None else moe.bias,
+                          *packed, used=e.used, gating=e.gating, norm=e.norm_weights)
 
     def _native_parts(self, layer: Block) -> dict:
         """A layer's parts beyond llama's, as the native Model.add_layer takes them: the
@@ -508,9 +535,12 @@ class Transformer:
             if layer.post_attn_norm is not None:
                 out = rms_norm(out.float(), layer.post_attn_norm, c.norm_eps, exact)
             x += out  # a bf16 output added into the float32 stream
-            h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact).to(act)
-            gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)
-            out = layer.down(layer.act(gate) * up, kernel)
+            h = rms_norm(x, layer.ffn_norm, c.norm_eps, exact)
+            if layer.moe is not None:  # routed by the float32 row
+                out = layer.moe(h, kernel, act)
+            else:
+                gate, up = layer.gate_up(h.to(act), kernel).chunk(2, dim=-1)
+                out = layer.down(layer.act(gate) * up, kernel)
             if layer.post_ffn_norm is not None:
                 out = rms_norm(out.float(), layer.post_ffn_norm, c.norm_eps, exact)
             x += out

@@ -95,6 +95,16 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
     return 8, (q + 128).astype(np.uint8), d, -128 * d
 
 
+def as_rows(t: GGUFTensor) -> GGUFTensor:
+    """A 3-D expert tensor [experts, rows, inputs] as one matrix [experts * rows, inputs] (a
+    view of its blocks): packed whole, each expert's rows are then a slice of the packed
+    weight (moe.h part_slice). 2-D tensors as they are."""
+    if len(t.shape) != 3:
+        return t
+    e, rows, k = t.shape
+    return GGUFTensor(t.name, t.qtype, (e * rows, k), np.asarray(t.data).reshape(e * rows, -1))
+
+
 def pack(module: ModuleType, tensors: Sequence[GGUFTensor]):
     """One QWeight for GGUF tensors fused along their outputs (q|k|v, gate|up), each in its own
     type (a part)."""

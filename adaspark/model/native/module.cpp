@@ -85,6 +85,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            torch::empty({0}), py::arg("act") = "silu", py::arg("window") = 0,
            py::arg("rope_cos") = torch::empty({0}), py::arg("rope_sin") = torch::empty({0}),
            py::arg("conv_taps") = torch::empty({0}))
+      .def("route_layer", &Model::route_layer, py::arg("layer"), py::arg("router"),
+           py::arg("bias"), py::arg("gate_exps"), py::arg("up_exps"), py::arg("down_exps"),
+           py::arg("used"), py::arg("gating"), py::arg("norm"))
+      .def("ffn", &Model::ffn, py::arg("layer"), py::arg("h"),
+           py::call_guard<py::gil_scoped_release>())
       .def("forward", &Model::forward, py::arg("cache_k"), py::arg("cache_v"), py::arg("tokens"),
            py::arg("positions"), py::arg("start"), py::arg("anc"), py::arg("taps"),
            py::arg("conv") = torch::empty({0}, torch::kHalf),

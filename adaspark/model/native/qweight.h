@@ -110,6 +110,7 @@ struct QWeight {
   std::vector<int64_t> col, first;  // part p: its outputs from col[p], its groups from first[p]
   int64_t n = 0, k = 0, nb = 0, groups = 0;
 
+  QWeight() = default;  // none: a routed layer's dense FFN (moe.h runs its experts instead)
   explicit QWeight(std::vector<QPart> ps) : parts(std::move(ps)) {
     TORCH_CHECK(!parts.empty(), "a weight needs at least one part");
     k = parts[0].k;

@@ -1,11 +1,15 @@
-// The target: a llama / qwen2 / qwen3 / gemma3 stack over a fp16 K/V cache, and its LM head.
+// The target: a llama / qwen2 / qwen3 / gemma3 / lfm2 (and their routed kin) stack over a fp16 K/V cache, and its LM head.
 // An architecture is a choice of parts per layer (Layer: optional norms and bias, the gate's
 // activation, an attention window, a RoPE table) and two model-wide numbers (embed_scale,
 // attn_scale), all handed over by transformer.py's _native_model. A layer with conv taps is an
-// LFM2 short-convolution layer (shortconv.h): qkv holds its in_proj, o its out_proj.
+// LFM2 short-convolution layer (shortconv.h): qkv holds its in_proj, o its out_proj. A layer
+// with experts (route_layer) runs a routed FFN (moe.h) instead of gate_up / down.
 #pragma once
 
+#include <memory>
+
 #include "kernels.h"
+#include "moe.h"
 #include "shortconv.h"
 
 namespace adaspark {
@@ -19,6 +23,7 @@ struct Layer {
   torch::Tensor cos, sin;    // this layer's RoPE table [positions, head_dim / 2]
   torch::Tensor conv_taps;   // float32 [L, dim] (tap-major): a short-convolution layer; empty: attention
   int64_t cache_index;       // its index among the layers of its kind (K/V or B*x slots)
+  std::shared_ptr<Routed> experts = nullptr;  // a routed FFN (gate_up, down then empty)
 
   BlockParts parts() const {
     auto ptr = [](const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; };
@@ -57,7 +62,8 @@ class Model {
   // rope_cos / rope_sin: the layer's own table (empty: the model's); post norms may be empty.
   void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm, torch::Tensor q_norm,
                  torch::Tensor k_norm, torch::Tensor qkv_bias, QWeight qkv, QWeight o,
-                 QWeight gate_up, QWeight down, torch::Tensor post_attn_norm,
+                 std::optional<QWeight> gate_up, std::optional<QWeight> down,
+                 torch::Tensor post_attn_norm,
                  torch::Tensor post_ffn_norm, const std::string& act, int64_t window,
                  torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor conv_taps) {
     if (!rope_cos.numel()) rope_cos = cos_, rope_sin = sin_;
@@ -79,10 +85,46 @@ class Model {
     TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
     layers_.push_back(Layer{attn_norm.contiguous(), ffn_norm.contiguous(), q_norm.contiguous(),
                             k_norm.contiguous(), qkv_bias.contiguous(), std::move(qkv),
-                            std::move(o), std::move(gate_up), std::move(down),
+                            std::move(o), gate_up.value_or(QWeight()),
+                            down.value_or(QWeight()),
                             post_attn_norm.contiguous(), post_ffn_norm.contiguous(),
                             act_named(act), window, rope_cos.contiguous(), rope_sin.contiguous(),
                             conv ? conv_taps.t().contiguous() : conv_taps, index});
+  }
+
+  // Layer `layer`'s FFN as a routed one (moe.h): router float32 [E, dim], selection bias
+  // float32 [E] or empty, the packed expert tensors (gate_exps and up_exps [E * ffn, dim],
+  // down_exps [E * dim, ffn]), top-k `used`, gating "softmax" | "sigmoid", norm: renormalise
+  // the chosen weights.
+  void route_layer(int64_t layer, torch::Tensor router, torch::Tensor bias, QWeight gate_exps,
+                   QWeight up_exps, QWeight down_exps, int64_t used, const std::string& gating,
+                   bool norm) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "no layer ", layer);
+    layers_[layer].experts = std::make_shared<Routed>(
+        make_routed(dim_, router, bias, gate_exps, up_exps, down_exps, used, gating, norm));
+  }
+
+  // Layer `layer`'s FFN alone on rows h [n, dim] (float32, already normed): its output before
+  // the residual add (tests compare a routed FFN with the reference's on the same rows).
+  torch::Tensor ffn(int64_t layer, torch::Tensor h) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "no layer ", layer);
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == dim_ && h.scalar_type() == torch::kFloat,
+                "h must be float32 [n, dim]");
+    h = h.contiguous();
+    const int64_t n = h.size(0);
+    auto y = torch::empty({n, dim_}, torch::kFloat);
+    QAct a;
+    quantize_rows(h.data_ptr<float>(), n, dim_, a);
+    const Layer& ly = layers_[layer];
+    if (ly.experts) {
+      MoeScratch s;
+      routed_ffn(*ly.experts, a, h.data_ptr<float>(), n, dim_, y.data_ptr<float>(), s);
+    } else {
+      std::vector<float> gu(n * 2 * ffn_), act(n * ffn_);
+      gated_ffn(ly.gate_up, ly.down, a, y.data_ptr<float>(), n, dim_, ffn_, gu.data(),
+                act.data(), ly.act);
+    }
+    return y;
   }
 
   // Rows at cache slots start..start+n-1, positions `positions`; row r sees the committed
@@ -208,8 +250,8 @@ class Model {
         }
         shortconv_rows(qkv.data(), n, dim_, ly.conv_taps.data_ptr<float>(), conv_l_, src,
                        conv_segs, seq_of.data(), slot_of.data(), attn.data());
-        attn_out_and_ffn(ly, x.data(), attn.data(), n, dim_, dim_, ffn_, eps_, a, h.data(),
-                         y.data(), gu.data(), act.data(), ly.parts());
+        block_tail(ly, x.data(), attn.data(), n, dim_, a, h.data(), y.data(), gu.data(),
+                   act.data());
         for (size_t t = 0; t < taps.size(); ++t)
           if (taps[t] == li) std::memcpy(hiddens[t].data_ptr<float>(), x.data(), n * dim_ * 4);
         continue;
@@ -225,8 +267,7 @@ class Model {
       }
       place_qkv(ly, qkv.data(), n, pos, segs, seq_of.data(), slot_of.data());
       attend(Heads{heads_, kv_heads_, hd_, attn_scale_}, qkv.data(), qkvw, segs, attn.data());
-      attn_out_and_ffn(ly, x.data(), attn.data(), n, dim_, qw, ffn_, eps_, a, h.data(), y.data(),
-                       gu.data(), act.data(), ly.parts());
+      block_tail(ly, x.data(), attn.data(), n, qw, a, h.data(), y.data(), gu.data(), act.data());
       for (size_t t = 0; t < taps.size(); ++t)
         if (taps[t] == li) std::memcpy(hiddens[t].data_ptr<float>(), x.data(), n * dim_ * 4);
     }
@@ -297,6 +338,19 @@ class Model {
   }
 
  private:
+  // attn_out_and_ffn (layer.h), or with a routed FFN its first steps, the experts and the add.
+  void block_tail(const Layer& ly, float* x, const float* attn, int64_t n, int64_t qw, QAct& a,
+                  float* h, float* y, float* gu, float* act) {
+    if (!ly.experts) {
+      TORCH_CHECK(ly.gate_up.n && ly.down.n, "a layer without experts needs gate_up and down");
+      attn_out_and_ffn(ly, x, attn, n, dim_, qw, ffn_, eps_, a, h, y, gu, act, ly.parts());
+      return;
+    }
+    attn_out_and_norm(ly, x, attn, n, dim_, qw, eps_, a, h, y, ly.parts());
+    routed_ffn(*ly.experts, a, h, n, dim_, y, moe_);
+    add_ffn_out(x, y, n, dim_, eps_, ly.parts());
+  }
+
   // The optional q|k|v bias, RoPE (adjacent pairs) and the optional q/k norms, then K/V into
   // their cache slots: row r's at slot slot_of[r] of its sequence's cache.
   void place_qkv(const Layer& ly, float* qkv, int64_t n, const int64_t* pos,
@@ -335,6 +389,7 @@ class Model {
   std::vector<float> x_, h_, qkv_, attn_, gu_, act_, y_;
   int64_t attn_layers_ = 0, conv_layers_ = 0, conv_l_ = 0;  // layers of each kind; the conv L
   QAct act_q_;
+  MoeScratch moe_;
 };
 
 }  // namespace adaspark

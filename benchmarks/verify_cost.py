@@ -31,6 +31,7 @@ import torch
 from adaspark import cpuinfo
 from adaspark.errors import UserError
 from adaspark.model.kernels import KERNELS, LADDER
+from adaspark.model.shortconv import tree_sources
 from adaspark.model.sources import resolve_model
 from adaspark.model.transformer import Transformer
 
@@ -71,6 +72,10 @@ def host_overhead_ms(model: Transformer, reps: int = 50) -> dict[str, float] | N
     start = model.cache.length
     tokens, positions = torch.tensor([321]), torch.tensor([start])
     anc = torch.ones(1, 1, dtype=torch.bool)
+    conv = {}  # a hybrid's conv layers read the committed B*x, as verify's rows do
+    if model.config.conv_layers:
+        conv = {"conv": model.cache.conv, "conv_src": tree_sources(
+            torch.zeros(1, dtype=torch.long), anc, start, model.config.conv_kernel)}
     whole, native = [], []
     for _ in range(reps):
         t = time.perf_counter()
@@ -78,7 +83,7 @@ def host_overhead_ms(model: Transformer, reps: int = 50) -> dict[str, float] | N
         whole.append(time.perf_counter() - t)
         t = time.perf_counter()
         rows, _ = model.native.forward(model.cache.k, model.cache.v, tokens, positions, start,
-                                       anc, [])
+                                       anc, [], **conv)
         model.native.head(rows)
         native.append(time.perf_counter() - t)
     w, n = statistics.median(whole) * 1e3, statistics.median(native) * 1e3

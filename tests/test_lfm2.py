@@ -489,3 +489,17 @@ def test_float32_weights_leave_only_llamacpps_fp16_cache_between_the_engines(wri
         worker.close()
     assert np.abs(ours - theirs).max() <= 0.05
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_verify_cost_times_the_native_calls_of_a_hybrid(native_model):
+    """benchmarks/verify_cost.py's host-overhead probe calls the native forward directly; on a
+    hybrid it must hand over the conv state and each row's sources as verify does (without
+    them the native forward refuses the call)."""
+    spec = importlib.util.spec_from_file_location(
+        "verify_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "verify_cost.py")
+    vc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vc)
+    native_model.reset()
+    native_model.prefill(list(range(30, 45)))
+    out = vc.host_overhead_ms(native_model, reps=3)
+    assert out["verify_ms"] > 0 and out["native_calls_ms"] > 0

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/native_ab.py [--base REV] [--widths 1,2,5,8,16] [--context 300]
                                              [--reps 40] [--threads 2] [--prefill 500]
-                                             [--json FILE]
+                                             [--model FILE] [--json FILE]
 
 The native sources (adaspark/model/native/*.cpp, *.h) at REV (default HEAD) are built once
 into the cache folder as a module of their own name, beside the working tree's build
@@ -13,7 +13,9 @@ head), the head alone on real final-normed rows, one draft, the drafter's catch-
 context's last 256 rows (where the context holds them), and with `--prefill N` a prefill of
 the text's first N tokens from slot 0 (a chain of N rows in one forward). Prints medians, the
 ratio new / base, and whether the two builds' outputs (argmax, draft candidates) are equal: a change
-meant to keep the arithmetic must print `same`. Timing lives here, never in tests.
+meant to keep the arithmetic must print `same`. `--model` times another (non-hybrid) GGUF
+without a drafter: verify, head and prefill over fixed token ids. Timing lives here, never in
+tests.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--prefill", type=int, default=0,
                    help="also time one forward of this many rows from slot 0 (0: none)")
+    p.add_argument("--model", metavar="FILE",
+                   help="another GGUF, timed without a drafter (default: the embedded model)")
     p.add_argument("--json", metavar="FILE", help="also write the medians here")
     return p.parse_args(argv)
 
@@ -91,18 +95,24 @@ def base_and_new(rev: str, isa: str) -> dict[str, ModuleType]:
     return {"base": build_base(rev, isa), "new": new}
 
 
-def with_module(module: ModuleType, path: Path, gguf, tok: Tokenizer, context: list[int]):
-    """Target and drafter on `module`, the context prefilled into both."""
+def with_module(module: ModuleType, path: Path, gguf, tok: Tokenizer | None,
+                context: list[int]):
+    """Target and drafter (none without `tok`) on `module`, the context prefilled into both."""
     load = native.load
     native.load = lambda: (module, "")
     try:
         target = Transformer(gguf, precision="fast")
-        spec = load_speculator(target, path, tok.stop_ids, ModelOptions(
+        spec = tok and load_speculator(target, path, tok.stop_ids, ModelOptions(
             arm="adaspark", store=Path(tempfile.mkdtemp(prefix="adaspark-ab-")), fresh=True))
     finally:
         native.load = load
     if target.native is None:
         raise SystemExit("the native forward did not load on this model")
+    if target.config.conv_layers:
+        raise SystemExit("a hybrid's conv layers need their state: time it with verify_cost.py")
+    if not spec:
+        target.prefill(context)
+        return target, None, None
     out = target.prefill(context, tap_layers=spec.drafter.tap_layers)
     spec.drafter.observe(out.hiddens)
     return target, spec.drafter, out.hiddens
@@ -152,10 +162,14 @@ def main(argv=None) -> int:
     if new is None:
         raise SystemExit(f"no native build of the working tree: {why}")
     base = build_base(args.base, new.__name__.removeprefix("adaspark_native_"))  # its build
-    path = resolve_model(None)
+    path = resolve_model(args.model)
     gguf = read_gguf(path)
-    tok = Tokenizer.from_gguf(gguf)
-    ids = tok.encode(TEXT.read_text(encoding="utf-8"))
+    if args.model:  # fixed ids: a synthetic file's vocabulary has no text
+        tok, ids = None, [(13 * i) % 1000 + 100 for i in range(max(args.context + 64,
+                                                                   args.prefill))]
+    else:
+        tok = Tokenizer.from_gguf(gguf)
+        ids = tok.encode(TEXT.read_text(encoding="utf-8"))
     if len(ids) < max(args.context + 16, args.prefill):
         raise SystemExit(f"{TEXT} holds {len(ids)} tokens; --context at most {len(ids) - 16}, "
                          f"--prefill at most {len(ids)}")
@@ -182,11 +196,13 @@ def main(argv=None) -> int:
         for arm in (("base", "new") if rep % 2 == 0 else ("new", "base")):
             target, drafter, taps = arms[arm]
             for n in widths:
-                timed(arm, f"verify {n}", verify_picks, target, rows[:n], drafter.tap_layers)
+                timed(arm, f"verify {n}", verify_picks, target, rows[:n],
+                      drafter.tap_layers if drafter else [])
             for n in (1, 5, 8):
                 timed(arm, f"head {n}", head_picks, target, finals[:n])
-            timed(arm, "draft", draft_candidates, drafter, rows[0])
-            if args.context >= CATCH_UP:
+            if drafter:
+                timed(arm, "draft", draft_candidates, drafter, rows[0])
+            if drafter and args.context >= CATCH_UP:
                 timed(arm, f"catch-up {CATCH_UP}", catch_up, drafter, taps)
             if args.prefill:
                 timed(arm, f"prefill {args.prefill}", prefill_rows, target, ids[:args.prefill])

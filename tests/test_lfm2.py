@@ -503,3 +503,26 @@ def test_verify_cost_times_the_native_calls_of_a_hybrid(native_model):
     native_model.prefill(list(range(30, 45)))
     out = vc.host_overhead_ms(native_model, reps=3)
     assert out["verify_ms"] > 0 and out["native_calls_ms"] > 0
+
+
+def test_native_ab_times_a_dense_file_and_refuses_a_hybrid(written, tmp_path):
+    """benchmarks/native_ab.py --model: a dense file is prefilled without a drafter; a hybrid
+    is refused by name (its conv layers need the state verify_cost.py hands over)."""
+    from adaspark.model import native
+    from adaspark.model.gguf import read_gguf
+
+    spec = importlib.util.spec_from_file_location(
+        "native_ab", Path(__file__).resolve().parents[1] / "benchmarks" / "native_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    module, why = native.load()
+    if module is None:
+        pytest.skip(f"no native forward here: {why}")
+    dense = syn.write_model(tmp_path / "qwen3.gguf",
+                            syn.Recipe("qwen3", syn.SHAPES["tiny"], Q.Q4_K, seed=3))
+    target, drafter, hiddens = ab.with_module(module, dense, read_gguf(dense), None,
+                                              list(range(100, 140)))
+    assert drafter is None and hiddens is None and target.native is not None
+    hybrid = written(Q.Q4_K)
+    with pytest.raises(SystemExit, match="hybrid"):
+        ab.with_module(module, hybrid, read_gguf(hybrid), None, list(range(100, 140)))

@@ -119,15 +119,17 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 #endif
 
 // The fast paths, for the three types every layer and the head of a Q4_0 / Q4_1 / Q8_0 file
-// have (fp16 scales, one scale per block): group_rows' integer sums and add_block's float
-// steps, the same integers and float operations in the same order, so the same bits. What
+// have (fp16 scales, one scale per block), and Q4_K, the bulk of a Q4_K_M file (its small
+// integer scales times their fp16 factors, as load_scales forms them): group_rows' integer
+// sums and add_block's float steps, the same integers and float operations in the same order, so the same bits. What
 // differs is the code around them: the type's tests and the scales' addressing leave the block
 // loop, each weight vector is loaded and unpacked where it is used (chunks outer, rows inner:
 // R integer sums live, not 8 unpacked chunks), so up to 8 rows share a pass with their sums in
 // registers (group_rows spilled its sums at 4 and unpacked the weights again every 4 rows).
 inline bool fast_packing(const QPart& w) {
-  return w.halves == 1 && !w.factors && !w.f32 &&
-         (w.bits == 4 || (w.bits == 8 && w.zero == 128));
+  if (w.halves != 1 || w.f32) return false;
+  if (w.factors) return w.bits == 4 && !w.zero;  // Q4_K
+  return w.bits == 4 || (w.bits == 8 && w.zero == 128);
 }
 
 // v computed here, in a register: keeps gcc from reassociating a row's sum across chunks,
@@ -172,19 +174,22 @@ inline void with_rows(int64_t rows, const F& f) {
   with_rows(rows, f, std::make_integer_sequence<int, Max>{});
 }
 
-// f(Bits, Zero) as integral constants for a fast packing: Q8_0 (8, its zero of 128), Q4_0 (4,
-// a zero), Q4_1 (4, free minimums).
+// f(Bits, Zero, K) as integral constants for a fast packing: Q8_0 (8, its zero of 128), Q4_0
+// (4, a zero), Q4_1 (4, free minimums), Q4_K (4, free minimums, K-quant scales).
 template <class F>
 inline void with_packing(const QPart& w, const F& f) {
   using std::bool_constant, std::integral_constant;
-  if (w.bits == 8) f(integral_constant<int, 8>{}, bool_constant<true>{});
-  else if (w.zero) f(integral_constant<int, 4>{}, bool_constant<true>{});
-  else f(integral_constant<int, 4>{}, bool_constant<false>{});
+  if (w.bits == 8) f(integral_constant<int, 8>{}, bool_constant<true>{}, bool_constant<false>{});
+  else if (w.zero) f(integral_constant<int, 4>{}, bool_constant<true>{}, bool_constant<false>{});
+  else if (w.factors)
+    f(integral_constant<int, 4>{}, bool_constant<false>{}, bool_constant<true>{});
+  else f(integral_constant<int, 4>{}, bool_constant<false>{}, bool_constant<false>{});
 }
 
 // What a fast kernel reads for group g and the rows from r0: the group's packed codes, its
-// fp16 scales d and m (m is d where a zero stands for it) and the rows' activations, their
-// scales dx, dx * sum(q) and sum(q) per block.
+// fp16 scales d and m (m is d where a zero stands for it; K-quant scales are read by
+// load_scales instead) and the rows' activations, their scales dx, dx * sum(q) and sum(q) per
+// block.
 struct FastStreams {
   const uint8_t* q;
   const uint16_t *d, *m;
@@ -206,7 +211,7 @@ inline FastStreams fast_streams(const QPart& w, const QAct& a, int64_t g, int64_
 #ifdef ADASPARK_AVX512
 // 16 outputs a register, R rows a pass: per chunk of 4 inputs one vpdpbusd a row (its 4
 // activations broadcast), each unpacked weight vector serving every row of the pass.
-template <int R, int Bits, bool Zero>
+template <int R, int Bits, bool Zero, bool K>
 inline void group_rows_512(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                            int64_t ldy, Next next) {
   const int64_t nb = w.nb, k = a.k;
@@ -242,8 +247,11 @@ inline void group_rows_512(const QPart& w, const QAct& a, int64_t g, int64_t r0,
     auto halves16 = [](const uint16_t* p) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     };
-    const __m512 dw = halves16(dg + b * 16);
-    const __m512 mw = Zero ? dw : halves16(mg + b * 16);
+    const __m512 dw = K ? load_scales(w, w.dp, w.dsp, w.d_signed, g, b, 0, 0)
+                        : halves16(dg + b * 16);
+    const __m512 mw = Zero ? dw
+                      : K  ? load_scales(w, w.mp, w.msp, w.m_signed, g, b, 0, 0)
+                           : halves16(mg + b * 16);
     for (int i = 0; i < R; ++i) {  // add_block's steps
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[i * nb + b]));
       if constexpr (Zero) {
@@ -265,8 +273,8 @@ inline void fast_part_rows(const QPart& w, const QAct& a, int64_t g, float* y, i
   constexpr int kRows = 8;
   for (int64_t r = 0; r < a.rows; r += kRows, ahead = {}) {
     with_rows<kRows>(std::min<int64_t>(kRows, a.rows - r), [&](auto n) {
-      with_packing(w, [&](auto bits, auto zero) {
-        group_rows_512<decltype(n)::value, bits, zero>(w, a, g, r, y, ldy, ahead);
+      with_packing(w, [&](auto bits, auto zero, auto k) {
+        group_rows_512<decltype(n)::value, bits, zero, k>(w, a, g, r, y, ldy, ahead);
       });
     });
   }
@@ -282,7 +290,7 @@ inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(chunk_of(p)); 
 // s[H i + h], acc[H i + h]: row i, outputs 8 (h0 + h) .. +7. The AVX-VNNI build forms the same
 // integer sums with one 256-bit vpdpbusd a chunk (Q8_0: sum(u*q) - 128 sum(q), the centred
 // sum plain AVX2 forms with its signs).
-template <int R, int H, int Bits, bool Zero>
+template <int R, int H, int Bits, bool Zero, bool K>
 inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                             int64_t ldy, Next next, int h0 = 0) {
   const int64_t nb = w.nb, k = a.k;
@@ -391,11 +399,17 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
 #endif
     __m256 dw[H], mw[H];
     for (int h = 0; h < H; ++h) {
+      const int64_t lane = 8 * (h0 + h);
+      if constexpr (K) {
+        dw[h] = load_scales(w, w.dp, w.dsp, w.d_signed, g, b, 0, lane);
+        mw[h] = load_scales(w, w.mp, w.msp, w.m_signed, g, b, 0, lane);
+        continue;
+      }
       dw[h] = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + 8 * (h0 + h))));
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + lane)));
       if constexpr (Bits == 4 && !Zero)
         mw[h] = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + 8 * (h0 + h))));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + lane)));
     }
     for (int i = 0; i < R; ++i) {  // add_block's steps
       const __m256 dxv = _mm256_set1_ps(dx[i * nb + b]);
@@ -425,9 +439,9 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
 template <int R, int H>
 inline void fast_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0, float* y,
                            int64_t ldy, Next next) {
-  with_packing(w, [&](auto bits, auto zero) {
+  with_packing(w, [&](auto bits, auto zero, auto k) {
     for (int h0 = 0; h0 < 2; h0 += H)
-      group_rows_avx2<R, H, bits, zero>(w, a, g, r0, y, ldy, next, h0);
+      group_rows_avx2<R, H, bits, zero, k>(w, a, g, r0, y, ldy, next, h0);
   });
 }
 
@@ -583,7 +597,14 @@ inline void group_rows(const QPart& w, const QAct& a, int64_t g, int64_t r0, flo
 // thread's next group), integer or dense.
 inline void part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                       Next ahead) {
-  if (fast_packing(w)) return fast_part_rows(w, a, g, y, ldy, ahead);
+#ifdef ADASPARK_AVX512
+  // A lone Q4_K row timed 2-9% slower on the fast path in this build (a second accumulator
+  // did not help), the generic one keeps it; from 2 rows the fast path is as fast or faster.
+  const bool lone_k = w.factors && a.rows == 1;
+#else
+  const bool lone_k = false;
+#endif
+  if (fast_packing(w) && !lone_k) return fast_part_rows(w, a, g, y, ldy, ahead);
   constexpr int R = 4;
   auto rows = [&](auto r_const, int64_t r, Next next) {
     constexpr int n = decltype(r_const)::value;

@@ -50,3 +50,27 @@ def torch_model(model_path):
         mp.setenv("ADASPARK_NATIVE", "off")
         return Transformer.from_gguf(model_path, precision="fast", max_context=512,
                                      calibrate=False)
+
+
+@pytest.fixture
+def prefill_in_chunks_equals_whole(monkeypatch):
+    """check(model, prompt, layers, exact): a prefill in chunks of 3 rows gives the taps and
+    logits of one chunk (each chunk's first rows read the previous chunk's committed state);
+    bit for bit where `exact` (the native forward), else within float32's reordering."""
+    import torch
+
+    from adaspark.model import transformer
+
+    def check(model, prompt: list[int], layers: list[int], exact: bool = False) -> None:
+        tol = 0.0 if exact else 1e-5  # the logits: ten times that
+        model.reset()
+        whole = model.prefill(prompt, layers, return_logits=True)
+        monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
+        model.reset()
+        chunked = model.prefill(prompt, layers, return_logits=True)
+        for layer in layers:
+            torch.testing.assert_close(chunked.hiddens[layer], whole.hiddens[layer],
+                                       rtol=tol, atol=tol)
+        torch.testing.assert_close(chunked.logits, whole.logits, rtol=10 * tol, atol=10 * tol)
+
+    return check

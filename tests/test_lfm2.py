@@ -121,11 +121,7 @@ def _reference_ratios(path: Path) -> np.ndarray:
 
     ref = Transformer.from_gguf(path, precision="reference", max_context=128)
     logits, h = pl.all_logits(ref, IDS, final_norm=True)
-    worker = pl.LogitsWorker(pl.vs.default_venv(), path, 1, 128)
-    try:
-        theirs = worker.logits(IDS)
-    finally:
-        worker.close()
+    theirs = pl.llamacpp_logits(path, IDS, 128)
     f = read_gguf(path)
     head = f.tensors.get("output.weight") or f.tensors["token_embd.weight"]
     bound = pl.head_bound(h, np.abs(head.dequantize()), head.qtype.name, "native", logits)
@@ -263,21 +259,11 @@ def test_truncate_keeps_the_conv_state_of_the_kept_prefix(reference):
     assert torch.equal(got.logits, chain(reference, [70, 71, 72]).logits)
 
 
-def test_a_prefill_across_chunks_equals_one_chunk(written, monkeypatch):
+def test_a_prefill_across_chunks_equals_one_chunk(written, prefill_in_chunks_equals_whole):
     """Chunks of 3 rows: each chunk's first rows read the previous chunk's B*x from the
     committed slots, so every row equals the single-chunk prefill's (argmax and taps)."""
-    from adaspark.model import transformer
-
     model = Transformer.from_gguf(written(Q.Q4_K), precision="reference", max_context=64)
-    prompt = list(range(40, 51))
-    whole = model.prefill(prompt, [0, 3], return_logits=True)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
-    model.reset()
-    chunked = model.prefill(prompt, [0, 3], return_logits=True)
-    for layer in (0, 3):
-        torch.testing.assert_close(chunked.hiddens[layer], whole.hiddens[layer],
-                                   rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    prefill_in_chunks_equals_whole(model, list(range(40, 51)), [0, 3])
 
 
 # --- every arm emits ar's tokens ------------------------------------------------------------------
@@ -357,20 +343,10 @@ def test_native_commit_keeps_the_accepted_paths_conv_state(native_model):
     test_commit_keeps_the_accepted_paths_conv_state(native_model)
 
 
-def test_native_chunked_prefill_equals_one_chunk(native_model, monkeypatch):
+def test_native_chunked_prefill_equals_one_chunk(native_model, prefill_in_chunks_equals_whole):
     """The first rows of each chunk read the previous chunk's B*x from the cache: bit for bit
     the rows of one whole prefill."""
-    from adaspark.model import transformer
-
-    prompt = list(range(40, 51))
-    native_model.reset()
-    whole = native_model.prefill(prompt, [0, 3], return_logits=True)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
-    native_model.reset()
-    chunked = native_model.prefill(prompt, [0, 3], return_logits=True)
-    for layer in (0, 3):
-        assert torch.equal(chunked.hiddens[layer], whole.hiddens[layer])
-    assert torch.equal(chunked.logits, whole.logits)
+    prefill_in_chunks_equals_whole(native_model, list(range(40, 51)), [0, 3], exact=True)
 
 
 def test_native_batched_sequences_equal_each_alone(native_model):
@@ -482,11 +458,7 @@ def test_float32_weights_leave_only_llamacpps_fp16_cache_between_the_engines(wri
     path = written(Q.F32)
     ref = Transformer.from_gguf(path, precision="reference", max_context=128)
     ours = pl.all_logits(ref, IDS)
-    worker = pl.LogitsWorker(pl.vs.default_venv(), path, 1, 128)
-    try:
-        theirs = worker.logits(IDS)
-    finally:
-        worker.close()
+    theirs = pl.llamacpp_logits(path, IDS, 128)
     assert np.abs(ours - theirs).max() <= 0.05
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 

@@ -220,19 +220,9 @@ def test_tree_rows_equal_the_chain_decode_exactly(references, arch, prompt):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_prefill_across_chunks_equals_one_chunk(written, arch, monkeypatch):
-    from adaspark.model import transformer
-
+def test_a_prefill_across_chunks_equals_one_chunk(written, arch, prefill_in_chunks_equals_whole):
     model = Transformer.from_gguf(written(arch), precision="reference", max_context=64)
-    prompt = list(range(40, 51))
-    whole = model.prefill(prompt, [0, 1], return_logits=True)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
-    model.reset()
-    chunked = model.prefill(prompt, [0, 1], return_logits=True)
-    for layer in (0, 1):
-        torch.testing.assert_close(chunked.hiddens[layer], whole.hiddens[layer],
-                                   rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    prefill_in_chunks_equals_whole(model, list(range(40, 51)), [0, 1])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -340,19 +330,8 @@ def test_native_tree_rows_equal_the_chain_decode_exactly(natives, arch, prompt):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_native_chunked_prefill_equals_one_chunk(natives, arch, monkeypatch):
-    from adaspark.model import transformer
-
-    model = natives[arch]
-    prompt = list(range(40, 51))
-    model.reset()
-    whole = model.prefill(prompt, [0, 1], return_logits=True)
-    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 3)
-    model.reset()
-    chunked = model.prefill(prompt, [0, 1], return_logits=True)
-    for layer in (0, 1):
-        assert torch.equal(chunked.hiddens[layer], whole.hiddens[layer])
-    assert torch.equal(chunked.logits, whole.logits)
+def test_native_chunked_prefill_equals_one_chunk(natives, arch, prefill_in_chunks_equals_whole):
+    prefill_in_chunks_equals_whole(natives[arch], list(range(40, 51)), [0, 1], exact=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -416,10 +395,6 @@ def test_float32_weights_match_llamacpp(written, arch):
     ref = Transformer.from_gguf(path, precision="reference", max_context=128)
     ids = list(range(10, 500, 23))
     ours = pl.all_logits(ref, ids)
-    worker = pl.LogitsWorker(pl.vs.default_venv(), path, 1, 128)
-    try:
-        theirs = worker.logits(ids)
-    finally:
-        worker.close()
+    theirs = pl.llamacpp_logits(path, ids, 128)
     assert np.abs(ours - theirs).max() <= 0.05
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()

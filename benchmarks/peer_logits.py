@@ -123,7 +123,6 @@ class LogitsWorker(vs.LlamaWorker):
         self._dir.cleanup()
 
 
-
 def llamacpp_logits(model: Path, ids: list[int], n_ctx: int, threads: int = 1) -> np.ndarray:
     """llama.cpp's logits at every position of `ids`, from a worker started for this one call."""
     worker = LogitsWorker(vs.default_venv(), model, threads, n_ctx)
@@ -131,6 +130,7 @@ def llamacpp_logits(model: Path, ids: list[int], n_ctx: int, threads: int = 1) -
         return worker.logits(ids)
     finally:
         worker.close()
+
 
 # --- the bound -----------------------------------------------------------------------------------
 

@@ -20,10 +20,17 @@ from adaspark.model import synthetic as syn
 from adaspark.model.config import ModelConfig
 from adaspark.model.transformer import Transformer
 
-SPEC = importlib.util.spec_from_file_location(
-    "peer_logits", Path(__file__).resolve().parents[1] / "benchmarks" / "peer_logits.py")
-pl = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(pl)
+
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pl = benchmark("peer_logits")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = syn.LFM2_SHAPES["tiny"]
@@ -467,10 +474,7 @@ def test_verify_cost_times_the_native_calls_of_a_hybrid(native_model):
     """benchmarks/verify_cost.py's host-overhead probe calls the native forward directly; on a
     hybrid it must hand over the conv state and each row's sources as verify does (without
     them the native forward refuses the call)."""
-    spec = importlib.util.spec_from_file_location(
-        "verify_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "verify_cost.py")
-    vc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vc)
+    vc = benchmark("verify_cost")
     native_model.reset()
     native_model.prefill(list(range(30, 45)))
     out = vc.host_overhead_ms(native_model, reps=3)
@@ -483,10 +487,7 @@ def test_native_ab_times_a_dense_file_and_refuses_a_hybrid(written, tmp_path):
     from adaspark.model import native
     from adaspark.model.gguf import read_gguf
 
-    spec = importlib.util.spec_from_file_location(
-        "native_ab", Path(__file__).resolve().parents[1] / "benchmarks" / "native_ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = benchmark("native_ab")
     module, why = native.load()
     if module is None:
         pytest.skip(f"no native forward here: {why}")

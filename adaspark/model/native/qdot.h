@@ -121,15 +121,21 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 // The fast paths, for the three types every layer and the head of a Q4_0 / Q4_1 / Q8_0 file
 // have (fp16 scales, one scale per block), and Q4_K, the bulk of a Q4_K_M file (its small
 // integer scales times their fp16 factors, as load_scales forms them): group_rows' integer
-// sums and add_block's float steps, the same integers and float operations in the same order, so the same bits. What
-// differs is the code around them: the type's tests and the scales' addressing leave the block
-// loop, each weight vector is loaded and unpacked where it is used (chunks outer, rows inner:
-// R integer sums live, not 8 unpacked chunks), so up to 8 rows share a pass with their sums in
-// registers (group_rows spilled its sums at 4 and unpacked the weights again every 4 rows).
-inline bool fast_packing(const QPart& w) {
+// sums and add_block's float steps, the same integers and float operations in the same
+// order, so the same bits. What differs is the code around them: the type's tests and the
+// scales' addressing leave the block loop, each weight vector is loaded and unpacked where it
+// is used (chunks outer, rows inner: R integer sums live, not 8 unpacked chunks), so up to 8
+// rows share a pass with their sums in registers (group_rows spilled its sums at 4 and
+// unpacked the weights again every 4 rows).
+inline bool fast_packing(const QPart& w, int64_t rows) {
   if (w.halves != 1 || w.f32) return false;
-  if (w.factors) return w.bits == 4 && !w.zero;  // Q4_K
-  return w.bits == 4 || (w.bits == 8 && w.zero == 128);
+  if (!w.factors) return w.bits == 4 || (w.bits == 8 && w.zero == 128);
+#ifdef ADASPARK_AVX512
+  // A lone Q4_K row timed 2-9% slower here on the fast path (a second accumulator did not
+  // help): the generic one keeps it; from 2 rows the fast path is as fast or faster.
+  if (rows == 1) return false;
+#endif
+  return w.bits == 4 && !w.zero;  // Q4_K
 }
 
 // v computed here, in a register: keeps gcc from reassociating a row's sum across chunks,
@@ -403,13 +409,13 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
       if constexpr (K) {
         dw[h] = load_scales(w, w.dp, w.dsp, w.d_signed, g, b, 0, lane);
         mw[h] = load_scales(w, w.mp, w.msp, w.m_signed, g, b, 0, lane);
-        continue;
+      } else {
+        dw[h] = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + lane)));
+        if constexpr (Bits == 4 && !Zero)
+          mw[h] = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + lane)));
       }
-      dw[h] = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + lane)));
-      if constexpr (Bits == 4 && !Zero)
-        mw[h] = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + lane)));
     }
     for (int i = 0; i < R; ++i) {  // add_block's steps
       const __m256 dxv = _mm256_set1_ps(dx[i * nb + b]);
@@ -597,14 +603,7 @@ inline void group_rows(const QPart& w, const QAct& a, int64_t g, int64_t r0, flo
 // thread's next group), integer or dense.
 inline void part_rows(const QPart& w, const QAct& a, int64_t g, float* y, int64_t ldy,
                       Next ahead) {
-#ifdef ADASPARK_AVX512
-  // A lone Q4_K row timed 2-9% slower on the fast path in this build (a second accumulator
-  // did not help), the generic one keeps it; from 2 rows the fast path is as fast or faster.
-  const bool lone_k = w.factors && a.rows == 1;
-#else
-  const bool lone_k = false;
-#endif
-  if (fast_packing(w) && !lone_k) return fast_part_rows(w, a, g, y, ldy, ahead);
+  if (fast_packing(w, a.rows)) return fast_part_rows(w, a, g, y, ldy, ahead);
   constexpr int R = 4;
   auto rows = [&](auto r_const, int64_t r, Next next) {
     constexpr int n = decltype(r_const)::value;

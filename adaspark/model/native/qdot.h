@@ -128,14 +128,20 @@ inline void unpack_half(const QPart& w, const uint8_t* qb, __m256i u[8]) {
 // rows share a pass with their sums in registers (group_rows spilled its sums at 4 and
 // unpacked the weights again every 4 rows).
 inline bool fast_packing(const QPart& w, int64_t rows) {
-  if (w.halves != 1 || w.f32) return false;
-  if (!w.factors) return w.bits == 4 || (w.bits == 8 && w.zero == 128);
+  if (w.f32) return false;
+  if (!w.factors) return w.halves == 1 && (w.bits == 4 || (w.bits == 8 && w.zero == 128));
 #ifdef ADASPARK_AVX512
   // A lone Q4_K row timed 2-9% slower here on the fast path (a second accumulator did not
-  // help): the generic one keeps it; from 2 rows the fast path is as fast or faster.
-  if (rows == 1) return false;
+  // help): the generic one keeps it; from 2 rows the fast path is as fast or faster. Q6_K on
+  // a fast path of this build timed 0.97-1.11x the generic one (docs/results/spr-s27).
+  return rows > 1 && w.bits == 4 && !w.zero;  // Q4_K
+#else
+#ifdef ADASPARK_AVXVNNI
+  if (w.halves == 2 && rows >= 8) return false;  // a 256-row Q6_K prefill timed 1.06x here
 #endif
-  return w.bits == 4 && !w.zero;  // Q4_K
+  if (w.halves == 2) return w.bits == 6 && w.zero == 32;  // Q6_K
+  return (w.bits == 4 || w.bits == 5) && !w.zero;          // Q4_K, Q5_K
+#endif
 }
 
 // v computed here, in a register: keeps gcc from reassociating a row's sum across chunks,
@@ -181,11 +187,18 @@ inline void with_rows(int64_t rows, const F& f) {
 }
 
 // f(Bits, Zero, K) as integral constants for a fast packing: Q8_0 (8, its zero of 128), Q4_0
-// (4, a zero), Q4_1 (4, free minimums), Q4_K (4, free minimums, K-quant scales).
+// (4, a zero), Q4_1 (4, free minimums), Q4_K (4, free minimums, K-quant scales), Q5_K (5, the
+// same) and Q6_K (6, its zero of 32, K-quant scales per half block).
 template <class F>
 inline void with_packing(const QPart& w, const F& f) {
   using std::bool_constant, std::integral_constant;
   if (w.bits == 8) f(integral_constant<int, 8>{}, bool_constant<true>{}, bool_constant<false>{});
+#ifndef ADASPARK_AVX512  // fast_packing takes 5 and 6 bits on the 256-bit builds only
+  else if (w.bits == 6)
+    f(integral_constant<int, 6>{}, bool_constant<true>{}, bool_constant<true>{});
+  else if (w.bits == 5)
+    f(integral_constant<int, 5>{}, bool_constant<false>{}, bool_constant<true>{});
+#endif
   else if (w.zero) f(integral_constant<int, 4>{}, bool_constant<true>{}, bool_constant<false>{});
   else if (w.factors)
     f(integral_constant<int, 4>{}, bool_constant<false>{}, bool_constant<true>{});
@@ -195,13 +208,13 @@ inline void with_packing(const QPart& w, const F& f) {
 // What a fast kernel reads for group g and the rows from r0: the group's packed codes, its
 // fp16 scales d and m (m is d where a zero stands for it; K-quant scales are read by
 // load_scales instead) and the rows' activations, their scales dx, dx * sum(q) and sum(q) per
-// block.
+// block, and qh = sum(q) over its first 16 inputs (Q6_K's halves).
 struct FastStreams {
   const uint8_t* q;
   const uint16_t *d, *m;
   const int8_t* x;
   const float *dx, *xs;
-  const int32_t* qs;
+  const int32_t *qs, *qh;
   int32_t zero;
 };
 template <int Bits, bool Zero>
@@ -211,8 +224,21 @@ inline FastStreams fast_streams(const QPart& w, const QAct& a, int64_t g, int64_
   return {w.qp + g * nb * (16 * kBlock * Bits / 8), d,
           Zero ? d : static_cast<const uint16_t*>(w.mp) + g * nb * 16, a.q.data() + r0 * a.k,
           a.dx.data() + r0 * nb, a.xs.data() + r0 * nb, a.qs.data() + r0 * nb,
-          static_cast<int32_t>(w.zero)};
+          a.qh.data() + r0 * nb, static_cast<int32_t>(w.zero)};
 }
+
+// Shifts of a plane of high bits that bring chunk ch's high bits (one for 5-bit codes, two for
+// 6) to bit 4 of each byte, masked there: OR-ed onto the chunk's low nibbles they give its
+// codes (unpack_block's bytes). Bits shifted across a byte's edge fall outside the mask.
+template <int Bits>
+constexpr int high_shift(int ch) {  // > 0: left, < 0: right
+  return Bits == 5 ? 4 - ch : 4 - 2 * (ch % 4);
+}
+template <int Bits>
+constexpr int plane_of(int ch) {  // the plane's byte offset in a block (two planes for 6 bits)
+  return Bits == 5 ? 256 : 256 + 64 * (ch / 4);
+}
+constexpr char kHighMask5 = 0x10, kHighMask6 = 0x30;
 
 #ifdef ADASPARK_AVX512
 // 16 outputs a register, R rows a pass: per chunk of 4 inputs one vpdpbusd a row (its 4
@@ -224,7 +250,8 @@ inline void group_rows_512(const QPart& w, const QAct& a, int64_t g, int64_t r0,
   const Ahead ahead(next);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
-  const auto [qg, dg, mg, xq, dx, xs, qs, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
+  const auto [qg, dg, mg, xq, dx, xs, qs, qh, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
+  (void)qh;  // Q6_K's halves: the 256-bit kernel's alone
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -306,7 +333,7 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
 #endif
   constexpr int64_t bytes = 16 * kBlock * Bits / 8;  // a block of 16 outputs
-  const auto [qg, dg, mg, xq, dx, xs, qs, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
+  const auto [qg, dg, mg, xq, dx, xs, qs, qh, zero] = fast_streams<Bits, Zero>(w, a, g, r0);
   auto load = [](const void* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   };
@@ -317,6 +344,41 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
     const uint8_t* qb = qg + b * bytes + 32 * h0;
     const int8_t* xb = xq + b * kBlock;
     __m256i s[H * R];
+    // chunks 2c (low nibbles) and 2c+1 (high) of the H halves, with their high bits (5 and 6
+    // bits) from the planes, moved to bit 4 of each byte
+    auto codes = [&](int c, __m256i* lo, __m256i* hi) {
+      auto high = [&](int h, int ch) {
+        const __m256i v = load(qb + plane_of<Bits>(ch) + 32 * h);
+        const int by = high_shift<Bits>(ch);
+        return _mm256_and_si256(by >= 0 ? _mm256_slli_epi16(v, by) : _mm256_srli_epi16(v, -by),
+                                _mm256_set1_epi8(Bits == 5 ? kHighMask5 : kHighMask6));
+      };
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = load(qb + 64 * c + 32 * h);
+        lo[h] = _mm256_and_si256(v, low4);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (Bits == 5 || Bits == 6) {
+          lo[h] = _mm256_or_si256(lo[h], high(h, 2 * c));
+          hi[h] = _mm256_or_si256(hi[h], high(h, 2 * c + 1));
+        }
+      }
+    };
+    // Q6_K: each half block (chunks 0-3, 4-7) ends as add_halves ends it, from its own sums
+    auto end_half = [&](int half) {
+      __m256 dh[H];
+      for (int h = 0; h < H; ++h)
+        dh[h] = load_scales(w, w.dp, w.dsp, w.d_signed, g, b, half, 8 * (h0 + h));
+      for (int i = 0; i < R; ++i) {
+        const __m256 dxv = _mm256_set1_ps(dx[i * nb + b]);
+        const int32_t q = half == 0 ? qh[i * nb + b] : qs[i * nb + b] - qh[i * nb + b];
+        const __m256i zq = _mm256_set1_epi32(zero * q);
+        for (int h = 0; h < H; ++h) {
+          const __m256i t = _mm256_sub_epi32(s[H * i + h], zq);
+          acc[H * i + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dh[h], dxv),
+                                           acc[H * i + h]);
+        }
+      }
+    };
 #ifdef ADASPARK_AVXVNNI
     for (int i = 0; i < H * R; ++i) s[i] = _mm256_setzero_si256();
     auto chunk = [&](const __m256i* u, int j) {  // chunk j (inputs 4j .. 4j+3) of H halves
@@ -328,18 +390,19 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
         }
       }
     };
-    if constexpr (Bits == 4) {
+    if constexpr (Bits < 8) {
       #pragma GCC unroll 8  // a loop kept the sums in memory
       for (int c = 0; c < 4; ++c) {  // chunks 2c (low nibbles) and 2c+1 (high)
         __m256i lo[H], hi[H];
-        for (int h = 0; h < H; ++h) {
-          const __m256i v = load(qb + 64 * c + 32 * h);
-          lo[h] = _mm256_and_si256(v, low4);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
+        codes(c, lo, hi);
         chunk(lo, 2 * c);
         chunk(hi, 2 * c + 1);
+        if (Bits == 6 && c % 2 == 1) {
+          end_half(c / 2);
+          for (int i = 0; i < H * R; ++i) s[i] = _mm256_setzero_si256();
+        }
       }
+      if constexpr (Bits == 6) continue;
     } else {
       #pragma GCC unroll 8  // a loop kept the sums in memory
       for (int j = 0; j < 8; ++j) {
@@ -352,30 +415,41 @@ inline void group_rows_avx2(const QPart& w, const QAct& a, int64_t g, int64_t r0
           s[H * i + h] = _mm256_sub_epi32(s[H * i + h], _mm256_set1_epi32(128 * qs[i * nb + b]));
     }
 #else
-    if constexpr (Bits == 4) {  // int16 sums over the 8 chunks (<= 30480), widened once
+    if constexpr (Bits < 8) {
+      // 4 bits: int16 sums over the 8 chunks (<= 30480), widened once; 5 and 6 bits: the two
+      // chunks' int16 sum (<= 2*2*63*127 = 32004) widened at once, int32 sums
       auto pairs = [&](int c, bool first) {  // chunks 2c (low nibbles) and 2c+1 (high)
         __m256i lo[H], hi[H];
-        for (int h = 0; h < H; ++h) {
-          const __m256i v = load(qb + 64 * c + 32 * h);
-          lo[h] = _mm256_and_si256(v, low4);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
+        codes(c, lo, hi);
         for (int i = 0; i < R; ++i) {
           const int8_t* x = xb + i * k + 8 * c;
           const __m256i xl = bcast4(x), xh = bcast4(x + 4);
           for (int h = 0; h < H; ++h) {
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
-                                               _mm256_maddubs_epi16(hi[h], xh));
-            s[H * i + h] = first ? p : _mm256_add_epi16(s[H * i + h], p);
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                         _mm256_maddubs_epi16(hi[h], xh));
+            if constexpr (Bits == 4) {
+              s[H * i + h] = first ? p : _mm256_add_epi16(s[H * i + h], p);
+            } else {
+              p = _mm256_madd_epi16(p, ones);
+              s[H * i + h] = first ? p : _mm256_add_epi32(s[H * i + h], p);
+            }
             pin(s[H * i + h]);
           }
         }
       };
       pairs(0, true);
       pairs(1, false);
+      if constexpr (Bits == 6) {
+        end_half(0);
+        pairs(2, true);
+        pairs(3, false);
+        end_half(1);
+        continue;
+      }
       pairs(2, false);
       pairs(3, false);
-      for (int i = 0; i < H * R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
+      if constexpr (Bits == 4)
+        for (int i = 0; i < H * R; ++i) s[i] = _mm256_madd_epi16(s[i], ones);
     } else {  // Q8_0: |c| times q carrying c's sign, int32 sums
       auto chunk = [&](int j, bool first) {
         __m256i c[H], mag[H];

@@ -149,30 +149,12 @@ inline bool fast_packing(const QPart& w, int64_t rows) {
 template <class V>
 inline void pin(V& v) { asm("" : "+x"(v)); }
 
-// A group's next-group prefetch with its addressing done once (prefetch_block's requests).
+// A fast kernel's next-group prefetch: prefetch_block's requests, a block at a time.
 struct Ahead {
-  const char *q = nullptr, *d = nullptr, *m = nullptr;
-  int64_t bytes = 0, scale_bytes = 0;
-  const Next* slow = nullptr;  // K-quant factors: prefetch_block itself
-  explicit Ahead(const Next& n) {
-    if (!n.w || n.g >= n.w->groups) return;
-    const QPart& w = *n.w;
-    if (w.factors) {
-      slow = &n;
-      return;
-    }
-    bytes = w.block_bytes();
-    q = reinterpret_cast<const char*>(w.qp + n.g * w.nb * bytes);
-    scale_bytes = w.halves * 16 * (w.bits ? (w.f32 ? 4 : 2) : 0);
-    if (w.dp) d = static_cast<const char*>(w.dp) + n.g * w.nb * scale_bytes;
-    if (w.mp) m = static_cast<const char*>(w.mp) + n.g * w.nb * scale_bytes;
-  }
+  const Next next;
+  explicit Ahead(const Next& n) : next(n) {}
   void block(int64_t b) const {
-    if (slow) return prefetch_block(*slow->w, slow->g, b);
-    if (!q) return;
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(q + b * bytes + i, _MM_HINT_T0);
-    if (d) _mm_prefetch(d + b * scale_bytes, _MM_HINT_T0);
-    if (m) _mm_prefetch(m + b * scale_bytes, _MM_HINT_T0);
+    if (next.w) prefetch_block_call(*next.w, next.g, b);
   }
 };
 

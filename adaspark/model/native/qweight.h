@@ -223,8 +223,11 @@ inline Next next_of(const QWeight& w, int64_t i) {
 
 // W outputs' scales of group g, block b, half h, from lane `lane` (0, or 8 on 256-bit builds),
 // of d (p = w.dp, f = w.dsp) or m (w.mp, w.msp), as stored: fp16, float32, or their factors.
-inline vf load_scales(const QPart& w, const void* p, const uint16_t* f, bool is_signed,
-                      int64_t g, int64_t b, int64_t h, int64_t lane) {
+// Always inlined: called per block in the kernels' loops (gcc kept it a call there).
+__attribute__((always_inline)) inline vf load_scales(const QPart& w, const void* p,
+                                                    const uint16_t* f, bool is_signed,
+                                                    int64_t g, int64_t b, int64_t h,
+                                                    int64_t lane) {
   const int64_t at = ((g * w.nb + b) * w.halves + h) * 16 + lane;
   if (w.factors)
     return vmul(vload_h(f + (g * (w.nb / 8) + b / 8) * 16 + lane),

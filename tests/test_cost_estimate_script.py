@@ -28,3 +28,14 @@ def test_one_request_prices_the_widths_it_measured(tmp_path):
         assert got["errors"][width] == pytest.approx(est[width] / measured[width] - 1)
     assert got["median_abs_error"] == pytest.approx(
         statistics.median(abs(e) for e in got["errors"].values()))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_requests_served_together_teach_the_width_of_their_rows(tmp_path):
+    """Two requests at once: each step is one call of two rows, which prices width 2 even where
+    the n-gram index proposed nothing."""
+    out = tmp_path / "estimate.json"
+    assert cost_estimate.main(["--max-tokens", "24", "--together", "2", "--reps", "1",
+                               "--threads", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["together"] == [2] and {"1", "2"} <= got["estimate_ms"].keys()

@@ -237,26 +237,34 @@ __attribute__((always_inline)) inline vf load_scales(const QPart& w, const void*
                : vload_h(static_cast<const uint16_t*>(p) + at);
 }
 
-// Block b of group g's packed weights and scales, asked for ahead of their use: the hardware
-// prefetcher alone leaves the kernels waiting on memory between groups.
-inline void prefetch_block(const QPart& w, int64_t g, int64_t b) {
+// Block b of group g's packed weights and scales, asked for ahead of their use (into the
+// cache level `Hint` names): the hardware prefetcher alone leaves the kernels waiting on
+// memory between groups.
+template <int Hint>
+inline void prefetch_block_to(const QPart& w, int64_t g, int64_t b) {
+  constexpr auto hint = static_cast<_mm_hint>(Hint);
   if (g >= w.groups) return;
   const char* q = reinterpret_cast<const char*>(w.qp + (g * w.nb + b) * w.block_bytes());
-  for (int64_t i = 0; i < w.block_bytes(); i += 64) _mm_prefetch(q + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < w.block_bytes(); i += 64) _mm_prefetch(q + i, hint);
   const int64_t at = (g * w.nb + b) * w.halves * 16 * (w.factors ? 1 : w.f32 ? 4 : 2);  // bytes
-  if (w.dp) _mm_prefetch(static_cast<const char*>(w.dp) + at, _MM_HINT_T0);
-  if (w.mp) _mm_prefetch(static_cast<const char*>(w.mp) + at, _MM_HINT_T0);
+  if (w.dp) _mm_prefetch(static_cast<const char*>(w.dp) + at, hint);
+  if (w.mp) _mm_prefetch(static_cast<const char*>(w.mp) + at, hint);
   if (w.dsp && b % 8 == 0)
-    _mm_prefetch(reinterpret_cast<const char*>(w.dsp + (g * (w.nb / 8) + b / 8) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.dsp + (g * (w.nb / 8) + b / 8) * 16), hint);
   if (w.msp && b % 8 == 0)
-    _mm_prefetch(reinterpret_cast<const char*>(w.msp + (g * (w.nb / 8) + b / 8) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.msp + (g * (w.nb / 8) + b / 8) * 16), hint);
+}
+inline void prefetch_block(const QPart& w, int64_t g, int64_t b) {
+  prefetch_block_to<_MM_HINT_T0>(w, g, b);
 }
 
-// The same, never inlined: the fast kernels (qdot.h's Ahead) ran 5-8% faster at one or two
-// rows calling it than with the same requests inlined into their block loop (and 15% faster
-// than with none), on the avx2 and avx512 builds (docs/results/spr-s27/native_ab-prefetch-*).
+// The fast kernels' (qdot.h's Ahead): into L2 and never inlined. With the same requests
+// inlined into the block loop, a one- or two-row verify of a Q4_0 file took 1.05-1.08x as
+// long on the avx2 and avx512 builds (Q4_K with none at all: 1.15x); into L1 rather than L2,
+// 1.02-1.12x at 1-2 rows (docs/results/spr-s27/native_ab-prefetch-*). Why is not known: the
+// profile puts the kernels' memory stall on the prefetch instructions either way.
 __attribute__((noinline)) inline void prefetch_block_call(const QPart& w, int64_t g, int64_t b) {
-  prefetch_block(w, g, b);
+  prefetch_block_to<_MM_HINT_T1>(w, g, b);
 }
 
 // All of group g at once (the tile path, and a thread's first group); the VNNI path asks for

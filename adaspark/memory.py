@@ -84,3 +84,19 @@ def freeze_loaded_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def resident_bytes() -> dict[str, int]:
+    """This process's resident memory now (VmRSS) and at its peak (VmHWM), in bytes, from
+    /proc/self/status (Linux; an empty dict elsewhere): what the load test and
+    benchmarks/load_cost.py compare."""
+    fields = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return fields

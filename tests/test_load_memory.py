@@ -36,13 +36,7 @@ LOADABLE_TYPES = [*blocks.INTEGER, *blocks.DENSE]
 
 PEAK = """
 import json, sys
-def status():
-    fields = {}
-    for line in open("/proc/self/status"):
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
+from adaspark.memory import resident_bytes as status
 from adaspark.engine import Engine
 from adaspark.model import native, transformer  # noqa: F401  (imports: the baseline)
 module, why = native.load()

@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from adaspark.engine import Engine
 from adaspark.scheduler.cost import basis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verify_cost import binary_tree  # noqa: E402
+from verify_cost import verify_times  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "README.md"  # a prompt of real text
 
@@ -57,19 +56,9 @@ def estimates(engine: Engine, context: int) -> dict[int, float]:
 def measured_ms(engine: Engine, prompt: list[int], widths: list[int], reps: int
                 ) -> dict[int, float]:
     """Median ms of a verify of each width at len(prompt) tokens of context."""
-    model = engine.target
-    model.prefill(prompt)
-    trees = {n: binary_tree(n) for n in widths}
-    samples: dict[int, list[float]] = {n: [] for n in widths}
-    for _ in range(reps):
-        for n in widths:
-            depths, mask = trees[n]
-            tokens = [(17 * i) % 1000 + 100 for i in range(n)]
-            start = time.perf_counter()
-            model.verify(tokens, depths, mask)
-            samples[n].append(time.perf_counter() - start)
-            model.truncate(len(prompt))
-    return {n: 1e3 * statistics.median(v) for n, v in samples.items()}
+    engine.target.prefill(prompt)
+    times = verify_times({"chosen": (engine.target, None)}, widths, reps)
+    return {n: times[(n, "chosen")] for n in widths}
 
 
 def served_together(engine: Engine, text: list[int], size: int, n: int, max_tokens: int

@@ -261,7 +261,7 @@ inline void prefetch_block(const QPart& w, int64_t g, int64_t b) {
 // The fast kernels' (qdot.h's Ahead): into L2 and never inlined. With the same requests
 // inlined into the block loop, a one- or two-row verify of a Q4_0 file took 1.05-1.08x as
 // long on the avx2 and avx512 builds (Q4_K with none at all: 1.15x); into L1 rather than L2,
-// 1.02-1.12x at 1-2 rows (docs/results/spr-s27/native_ab-prefetch-*). Why is not known: the
+// 1.01-1.15x at one row (docs/results/spr-s27/native_ab-prefetch-*). Why is not known: the
 // profile puts the kernels' memory stall on the prefetch instructions either way.
 __attribute__((noinline)) inline void prefetch_block_call(const QPart& w, int64_t g, int64_t b) {
   prefetch_block_to<_MM_HINT_T1>(w, g, b);

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 # While other requests run, a finished request's learned state waits for the batch's last one to
-# end, at most this long: the store's save (an fsync) stalls every running stream's step.
+# end, at most this long: the store's save (an fsync) stalls every running stream's step. Under a
+# server (idle_saves), a lone request's save waits too, for the engine's next idle moment.
 SAVE_EVERY_S = 10.0
 PLAN_DECAY = 0.9  # Speculator.learn_plan_time: the recent rounds' plan times (the load drifts)
 
@@ -282,6 +283,10 @@ class Speculator:
         # beside others: the decayed mean host ms a round (plan and learn), [undrafted, drafted]
         self.plan_ms: list[float | None] = [None, None]
         self._saved_at = time.monotonic()  # when the store was last saved (or made)
+        # the server's worker calls idle() when nothing runs: the save of a request that ends
+        # alone waits for it too (the next request, often already queued, starts without it)
+        self.idle_saves = False
+        self.unsaved = False  # a refit or save waits (for idle(), a later request, or close())
 
     @property
     def store(self) -> Store | None:
@@ -434,22 +439,37 @@ class Speculator:
 
     def _end_request(self, request: RequestState | None = None, beside: bool = False) -> None:
         """The cost model's refit, then the learned state and the round log reach the disk.
-        beside: other requests still run in the batch; the refit (~10 ms of numpy) and the
+        beside: other requests still run in the batch; the refit (a few ms of Python) and the
         store's save (an fsync), which would stall their step, then wait for the last of them
-        to end, or SAVE_EVERY_S (close() saves what still waits). The reply stands whatever
-        fails here: a refit or a save that raises is logged, never the request's failure."""
+        to end, or SAVE_EVERY_S (close() saves what still waits). Under idle_saves the save of
+        a request that ends alone waits as well, for idle() or SAVE_EVERY_S. The reply stands
+        whatever fails here: a refit or a save that raises is logged, never the request's
+        failure."""
         now = time.monotonic()
-        wait = beside and now - self._saved_at < SAVE_EVERY_S
+        recent = now - self._saved_at < SAVE_EVERY_S
+        wait = beside and recent
         try:
             self.scheduler.end_request(request, refit=not wait)
         except Exception:  # noqa: BLE001 - a bug in the refit: the reply is whole already
             _log.exception("the learned laws' refit failed after a request")
         if self._log is not None:
             self._log.flush()
-        if wait:
+        if wait or (self.idle_saves and recent):
+            self.unsaved = True
             return
-        self._saved_at = now
+        self._saved_at, self.unsaved = now, False
         self.save("after this request")
+
+    def idle(self) -> None:
+        """Nothing runs (the server's worker asks): the refit and the save that waited."""
+        if not self.unsaved:
+            return
+        try:
+            self.scheduler.refit()  # only the laws that learned since their last refit
+        except Exception:  # noqa: BLE001 - still save what was learned
+            _log.exception("the learned laws' refit failed while idle")
+        self._saved_at, self.unsaved = time.monotonic(), False
+        self.save("while idle")
 
     def save(self, when: str = "now") -> None:
         """The learned state to the store, merged with what another process on the same store
@@ -472,6 +492,7 @@ class Speculator:
             self.scheduler.refit()
         except Exception:  # noqa: BLE001 - still save what was learned
             _log.exception("the learned laws' last refit failed")
+        self.unsaved = False
         self.save("at shutdown")
         if self._log is not None:
             self._log.close()

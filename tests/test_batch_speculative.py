@@ -651,6 +651,64 @@ def test_a_request_ending_beside_others_leaves_the_store_to_the_last_one(draftin
         drafting.speculator.store = None
 
 
+def test_under_idle_saves_a_lone_requests_save_waits_for_idle(drafting, tmp_path, monkeypatch):
+    """Under a server (idle_saves) a request that ends alone is refit at once, but its save (an
+    fsync and a JSON write, a closed-loop client's next request would wait for it) waits for
+    idle(), or SAVE_EVERY_S since the last save; idle() with nothing waiting writes nothing."""
+    from adaspark import speculative
+    from adaspark.scheduler.store import Store
+
+    spec = drafting.speculator
+    store = Store(tmp_path, {"test": 1})
+    spec.store, spec.idle_saves = store, True
+    sched, refits = spec.scheduler, []
+    refit = sched.refit
+    monkeypatch.setattr(sched, "refit", lambda: refits.append(1) or refit())
+    try:
+        spec._saved_at = speculative.time.monotonic()  # saved just now
+        solo(drafting, PROMPTS[0], max_tokens=12)
+        assert store.saves == 0 and spec.unsaved and len(refits) == 1  # refit, not saved
+        solo(drafting, PROMPTS[1], max_tokens=8)
+        assert store.saves == 0 and len(refits) == 2
+        spec.idle()
+        assert store.saves == 1 and not spec.unsaved
+        assert store.load() == json.loads(json.dumps(sched.state_dict()))
+        spec.idle()  # nothing waits: no second save
+        assert store.saves == 1
+        spec._saved_at -= speculative.SAVE_EVERY_S  # the last save is SAVE_EVERY_S old
+        solo(drafting, PROMPTS[2], max_tokens=8)
+        assert store.saves == 2 and not spec.unsaved
+    finally:
+        spec.store, spec.idle_saves = None, False
+
+
+def test_the_servers_worker_saves_the_learned_state_once_it_is_idle(drafting, tmp_path):
+    """The server's worker marks its speculator idle_saves and, once no request has run for
+    IDLE_SAVE_S, runs the save that waited: the store holds the request's learning without a
+    shutdown."""
+    from adaspark.scheduler.store import Store
+    from adaspark.server.worker import IDLE_SAVE_S
+
+    spec = drafting.speculator
+    store = Store(tmp_path, {"test": 1})
+    spec.store = store
+    drafting.reset()
+    worker, gate = gated_worker(drafting, parallel=1)
+    try:
+        future = worker.submit(Job(drafting.tokenizer.encode_chat(PROMPTS[0]), 12, []))
+        gate.set()
+        assert len(future.result(timeout=120).token_ids) == 12
+        assert spec.idle_saves
+        deadline = time.monotonic() + IDLE_SAVE_S + 30
+        while store.saves == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.saves == 1 and not spec.unsaved
+        assert store.load()["rounds"] == spec.scheduler.state_dict()["rounds"] > 0
+    finally:
+        worker.close()
+        spec.store, spec.idle_saves = None, False
+
+
 def test_a_plain_round_beside_others_feeds_its_kept_row_to_its_own_drafter(drafting,
                                                                           monkeypatch):
     """Where no row past the step's plain ones pays, the rounds beside others are one-row

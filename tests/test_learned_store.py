@@ -257,11 +257,13 @@ def test_a_failed_save_over_http_still_replies_and_is_counted(engine):
         _wait(lambda: httpx.get(base + "/health").status_code == 200, "the model to load")
         before = save_failures(base)
         blocker = block_saves(store)
-        try:
+        try:  # each request's save runs once the server is idle (IDLE_SAVE_S), and fails
             plain = httpx.post(base + url, json=body, timeout=300)
+            _wait(lambda: save_failures(base) == before + 1, "the first idle save")
             with httpx.stream("POST", base + url, json={**body, "stream": True},
                               timeout=300) as streamed:
                 events = [line for line in streamed.iter_lines() if line]
+            _wait(lambda: save_failures(base) == before + 2, "the second idle save")
         finally:
             blocker.rmdir()
         assert plain.status_code == 200, plain.text
@@ -269,4 +271,3 @@ def test_a_failed_save_over_http_still_replies_and_is_counted(engine):
         assert str(store.directory) not in plain.text
         assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
         assert not any('"error"' in line for line in events)
-        assert save_failures(base) == before + 2

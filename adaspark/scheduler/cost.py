@@ -139,17 +139,21 @@ class LawFTRL:
     def run(self, order, passes: int = 1) -> None:
         """`passes` passes over order [(φ, y)]: per sample, one pinball subgradient step.
         Coordinate 0 is the intercept (prior 1, unbounded), 1-4 the context weights (prior 0,
-        kept >= 0); the arithmetic and its order are FTRL's (tests/test_cost.py: bit for bit).
-        The state lives in locals, a coordinate's step in _coordinate_step: the
-        end-of-request refit runs thousands of steps, and indexing lists took twice as long."""
+        kept >= 0). A coordinate's step at gradient g, as FTRLProximal takes it: t = min(n +
+        g², cap); z += g - (√t - √n)/α (w - prior); w = max(prior - soft(z, l1) / ((β +
+        √t)/α + l2), lower), min and max keeping their first argument on ties
+        (tests/test_cost.py: bit for bit). Written out five times in the loop, state in
+        locals: the end-of-request refit runs thousands of steps, and a call per coordinate
+        took a third of its time."""
         z0, z1, z2, z3, z4 = self.z
         n0, n1, n2, n3, n4 = self.n
         m0, m1, m2, m3, m4 = self.m
         s0, s1, s2, s3, s4 = self._sqrt_n
         w0, w1, w2, w3, w4 = self.w
-        (p0, p1, p2, p3, p4), (b0, b1, b2, b3, b4) = _PRIOR, _LOWER
+        one, zero = _PRIOR[0], _PRIOR[1]   # the priors: the intercept's, the context weights'
         under, over = -QUANTILE, 1.0 - QUANTILE
-        step = _coordinate_step
+        cap, rate, beta, l1, l2 = N_CAP, RATE, STABILISER, L1, L2
+        sqrt, copysign = math.sqrt, math.copysign
         for _ in range(passes):
             for (f0, f1, f2, f3, f4), y in order:
                 predicted = w0 * f0
@@ -158,11 +162,59 @@ class LawFTRL:
                 predicted += w3 * f3
                 predicted += w4 * f4
                 slope = under if y > predicted else over
-                z0, n0, s0, m0, w0 = step(slope * f0, z0, n0, s0, m0, w0, p0, b0)
-                z1, n1, s1, m1, w1 = step(slope * f1, z1, n1, s1, m1, w1, p1, b1)
-                z2, n2, s2, m2, w2 = step(slope * f2, z2, n2, s2, m2, w2, p2, b2)
-                z3, n3, s3, m3, w3 = step(slope * f3, z3, n3, s3, m3, w3, p3, b3)
-                z4, n4, s4, m4, w4 = step(slope * f4, z4, n4, s4, m4, w4, p4, b4)
+                g = slope * f0
+                t = n0 + g * g
+                if cap < t:
+                    t = cap
+                r = sqrt(t)
+                z0 += g - (r - s0) / rate * (w0 - one)
+                a = abs(z0)
+                w0 = one - (copysign(a - l1, z0) if a > l1 else 0.0) / ((beta + r) / rate + l2)
+                n0, s0, m0 = t, r, m0 + (g != 0.0)
+                g = slope * f1
+                t = n1 + g * g
+                if cap < t:
+                    t = cap
+                r = sqrt(t)
+                z1 += g - (r - s1) / rate * (w1 - zero)
+                a = abs(z1)
+                w1 = zero - (copysign(a - l1, z1) if a > l1 else 0.0) / ((beta + r) / rate + l2)
+                if zero > w1:
+                    w1 = zero
+                n1, s1, m1 = t, r, m1 + (g != 0.0)
+                g = slope * f2
+                t = n2 + g * g
+                if cap < t:
+                    t = cap
+                r = sqrt(t)
+                z2 += g - (r - s2) / rate * (w2 - zero)
+                a = abs(z2)
+                w2 = zero - (copysign(a - l1, z2) if a > l1 else 0.0) / ((beta + r) / rate + l2)
+                if zero > w2:
+                    w2 = zero
+                n2, s2, m2 = t, r, m2 + (g != 0.0)
+                g = slope * f3
+                t = n3 + g * g
+                if cap < t:
+                    t = cap
+                r = sqrt(t)
+                z3 += g - (r - s3) / rate * (w3 - zero)
+                a = abs(z3)
+                w3 = zero - (copysign(a - l1, z3) if a > l1 else 0.0) / ((beta + r) / rate + l2)
+                if zero > w3:
+                    w3 = zero
+                n3, s3, m3 = t, r, m3 + (g != 0.0)
+                g = slope * f4
+                t = n4 + g * g
+                if cap < t:
+                    t = cap
+                r = sqrt(t)
+                z4 += g - (r - s4) / rate * (w4 - zero)
+                a = abs(z4)
+                w4 = zero - (copysign(a - l1, z4) if a > l1 else 0.0) / ((beta + r) / rate + l2)
+                if zero > w4:
+                    w4 = zero
+                n4, s4, m4 = t, r, m4 + (g != 0.0)
         self.z, self.n, self.m = [z0, z1, z2, z3, z4], [n0, n1, n2, n3, n4], [m0, m1, m2, m3, m4]
         self._sqrt_n, self.w = (s0, s1, s2, s3, s4), (w0, w1, w2, w3, w4)
 
@@ -176,24 +228,6 @@ class LawFTRL:
         self.m = ftrl.labels.tolist()
         self._sqrt_n = tuple(math.sqrt(x) for x in self.n)
         self.w = tuple(ftrl.weights.tolist())
-
-
-def _coordinate_step(g: float, z: float, n: float, s: float, m: int, w: float, prior: float,
-                     lower: float, sqrt=math.sqrt, copysign=math.copysign):
-    """One coordinate's FTRL-Proximal step at gradient g, as FTRLProximal takes it: t = min(n +
-    g², cap); z += g - (√t - √n)/α (w - prior); w = max(prior - soft(z, l1) / ((β + √t)/α +
-    l2), lower), min and max keeping their first argument on ties. Returns (z, n, √n, m, w).
-    (sqrt and copysign as defaults: local lookups in the refit's thousands of calls.)"""
-    t = n + g * g
-    if N_CAP < t:
-        t = N_CAP
-    r = sqrt(t)
-    z += g - (r - s) / RATE * (w - prior)
-    a = abs(z)
-    w_new = prior - (copysign(a - L1, z) if a > L1 else 0.0) / ((STABILISER + r) / RATE + L2)
-    if lower > w_new:
-        w_new = lower
-    return z, t, r, m + (g != 0.0), w_new
 
 
 def _train_fresh(order: list, passes: int) -> LawFTRL:

@@ -60,6 +60,9 @@ RAM_SHARE = 0.25  # of the memory available at load, at most this much goes to K
 # close() waits this long for the engine thread: its current step (every running request is
 # cancelled at its next one) and the last save; a longer wait is logged and the exit goes on
 SHUTDOWN_S = 60.0
+# nothing has run for this long: the learned state's refit and save that waited run now (a
+# closed-loop client's next request comes sooner, and starts without waiting for them)
+IDLE_SAVE_S = 0.25
 
 
 class Cancelled(Exception):
@@ -240,6 +243,9 @@ class EngineWorker:
         if self.queue_limit is None:
             self.queue_limit = 8 * self.parallel
         engine.batch.max_slots = self.parallel
+        speculator = getattr(engine, "speculator", None)
+        if speculator is not None:  # a lone request's save waits for an idle moment
+            speculator.idle_saves = True
         self.engine = engine
         try:
             while self._serve_once():
@@ -278,10 +284,19 @@ class EngineWorker:
     def _serve_once(self) -> bool:
         """Admit what may start, then one step; False once closed and nothing runs."""
         batch = self.engine.batch
+        speculator = getattr(self.engine, "speculator", None)
+        idle = False
         with self._wake:
             while not self._closed and not self._queue and not batch.running:
-                self._wake.wait()
+                if speculator is None or not speculator.unsaved:
+                    self._wake.wait()
+                elif not self._wake.wait(IDLE_SAVE_S):  # still nothing to do: save now
+                    idle = not self._closed and not self._queue
+                    break
             closed = self._closed
+        if idle:
+            speculator.idle()  # logs its own failures
+            return True
         if closed and not batch.running:
             return False
         try:

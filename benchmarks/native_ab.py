@@ -11,7 +11,9 @@ into the cache folder as a module of their own name, beside the working tree's b
 slowing down affects both alike: a verify of each width (a chain, the drafter's taps, forward and
 head), the head alone on real final-normed rows, one draft, the drafter's catch-up of the
 context's last 256 rows (where the context holds them), and with `--prefill N` a prefill of
-the text's first N tokens from slot 0 (a chain of N rows in one forward). Prints medians, the
+the text's first N tokens from slot 0 (a chain of N rows in one forward), and with `--many N` a
+continuous-batching step of N plain decodes (N sequences, one row each, contexts spread over
+half to one and a half `--context`: gen-data's and the server's step). Prints medians, the
 ratio new / base, and whether the two builds' outputs (argmax, draft candidates) are equal: a change
 meant to keep the arithmetic must print `same`. `--model` times another (non-hybrid) GGUF
 without a drafter: verify, head and prefill over fixed token ids. Timing lives here, never in
@@ -58,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--prefill", type=int, default=0,
                    help="also time one forward of this many rows from slot 0 (0: none)")
+    p.add_argument("--many", type=int, default=0,
+                   help="also time a step of this many sequences, one row each (0: none)")
     p.add_argument("--model", metavar="FILE",
                    help="another GGUF, timed without a drafter (default: the embedded model)")
     p.add_argument("--json", metavar="FILE", help="also write the medians here")
@@ -96,12 +100,12 @@ def base_and_new(rev: str, isa: str) -> dict[str, ModuleType]:
 
 
 def with_module(module: ModuleType, path: Path, gguf, tok: Tokenizer | None,
-                context: list[int]):
+                context: list[int], max_context: int | None = None):
     """Target and drafter (none without `tok`) on `module`, the context prefilled into both."""
     load = native.load
     native.load = lambda: (module, "")
     try:
-        target = Transformer(gguf, precision="fast")
+        target = Transformer(gguf, precision="fast", max_context=max_context)
         spec = tok and load_speculator(target, path, tok.stop_ids, ModelOptions(
             arm="adaspark", store=Path(tempfile.mkdtemp(prefix="adaspark-ab-")), fresh=True))
     finally:
@@ -141,6 +145,23 @@ def draft_candidates(drafter, anchor: int) -> list[list[int]]:
     return drafter.draft(anchor).topk_ids.tolist()
 
 
+def many_caches(target: Transformer, ids: list[int], n: int, context: int) -> list:
+    """n more caches holding the text's first context/2 .. 3 context/2 tokens."""
+    caches = []
+    for s in range(n):
+        cache = target.new_cache()
+        with target.using(cache):
+            target.prefill(ids[:max(1, int(context * (0.5 + s / max(1, n - 1))))])
+        caches.append(cache)
+    return caches
+
+
+def step_many(target: Transformer, caches: list, token: int) -> list[int]:
+    """One row each at the end of its cache (written, not committed: the next call rewrites it)."""
+    one = ([token], np.array([0]), np.array([[True]]))
+    return target.verify_many(caches, [one] * len(caches)).argmax.tolist()
+
+
 CATCH_UP = 256  # rows of a catch-up: a prompt's features appended before its first draft
 
 
@@ -170,11 +191,16 @@ def main(argv=None) -> int:
     else:
         tok = Tokenizer.from_gguf(gguf)
         ids = tok.encode(TEXT.read_text(encoding="utf-8"))
-    if len(ids) < max(args.context + 16, args.prefill):
-        raise SystemExit(f"{TEXT} holds {len(ids)} tokens; --context at most {len(ids) - 16}, "
-                         f"--prefill at most {len(ids)}")
-    arms = {"base": with_module(base, path, gguf, tok, ids[:args.context]),
-            "new": with_module(new, path, gguf, tok, ids[:args.context])}
+    longest = (args.context * 3 + 1) // 2 if args.many else 0
+    if len(ids) < max(args.context + 16, args.prefill, longest):
+        raise SystemExit(f"{TEXT} holds {len(ids)} tokens; --context at most {len(ids) - 16} "
+                         f"({len(ids) * 2 // 3} with --many), --prefill at most {len(ids)}")
+    # with --many, caches sized like gen-data's (a reply's room past the longest context)
+    room = max(1024, longest + 256, args.prefill) if args.many else None
+    arms = {arm: with_module(module, path, gguf, tok, ids[:args.context], room)
+            for arm, module in (("base", base), ("new", new))}
+    many = {arm: many_caches(arms[arm][0], ids, args.many, args.context) for arm in arms
+            if args.many}
     widths = [int(w) for w in args.widths.split(",")]
     rows = ids[args.context:args.context + max(widths)]
     target, drafter, _ = arms["base"]
@@ -206,6 +232,8 @@ def main(argv=None) -> int:
                 timed(arm, f"catch-up {CATCH_UP}", catch_up, drafter, taps)
             if args.prefill:
                 timed(arm, f"prefill {args.prefill}", prefill_rows, target, ids[:args.prefill])
+            if args.many:
+                timed(arm, f"{args.many} sequences x 1 row", step_many, target, many[arm], rows[0])
     medians = {what: {arm: 1000 * statistics.median(times[(arm, what)]) for arm in arms}
                for what in dict.fromkeys(w for _, w in times)}
     print(f"{cpuinfo.name()}, torch threads {torch.get_num_threads()}, base {args.base}, "

@@ -481,21 +481,49 @@ def test_verify_cost_times_the_native_calls_of_a_hybrid(native_model):
     assert out["verify_ms"] > 0 and out["native_calls_ms"] > 0
 
 
-def test_native_ab_times_a_dense_file_and_refuses_a_hybrid(written, tmp_path):
-    """benchmarks/native_ab.py --model: a dense file is prefilled without a drafter; a hybrid
-    is refused by name (its conv layers need the state verify_cost.py hands over)."""
+def native_ab_and_dense(tmp_path, seed):
+    """benchmarks/native_ab.py, the native build and a tiny dense Qwen3 file (skips without a
+    native build)."""
     from adaspark.model import native
-    from adaspark.model.gguf import read_gguf
 
     ab = benchmark("native_ab")
     module, why = native.load()
     if module is None:
         pytest.skip(f"no native forward here: {why}")
     dense = syn.write_model(tmp_path / "qwen3.gguf",
-                            syn.Recipe("qwen3", syn.SHAPES["tiny"], Q.Q4_K, seed=3))
+                            syn.Recipe("qwen3", syn.SHAPES["tiny"], Q.Q4_K, seed=seed))
+    return ab, module, dense
+
+
+def test_native_ab_times_a_dense_file_and_refuses_a_hybrid(written, tmp_path):
+    """benchmarks/native_ab.py --model: a dense file is prefilled without a drafter; a hybrid
+    is refused by name (its conv layers need the state verify_cost.py hands over)."""
+    from adaspark.model.gguf import read_gguf
+
+    ab, module, dense = native_ab_and_dense(tmp_path, 3)
     target, drafter, hiddens = ab.with_module(module, dense, read_gguf(dense), None,
                                               list(range(100, 140)))
     assert drafter is None and hiddens is None and target.native is not None
     hybrid = written(Q.Q4_K)
     with pytest.raises(SystemExit, match="hybrid"):
         ab.with_module(module, hybrid, read_gguf(hybrid), None, list(range(100, 140)))
+
+
+def test_native_ab_many_step_equals_each_sequence_alone(tmp_path):
+    """benchmarks/native_ab.py --many: its caches hold contexts of half to one and a half
+    `context`, and its step (one row at the end of each cache, one native call) picks what
+    each sequence's own verify alone picks there."""
+    from adaspark.model.gguf import read_gguf
+
+    ab, module, dense = native_ab_and_dense(tmp_path, 5)
+    ids = [(7 * i) % 200 + 30 for i in range(120)]
+    target, _, _ = ab.with_module(module, dense, read_gguf(dense), None, ids[:40], 256)
+    caches = ab.many_caches(target, ids, 4, 40)
+    assert [c.length for c in caches] == [20, 33, 46, 60]
+    picks = ab.step_many(target, caches, 99)
+    alone = []
+    for cache in caches:
+        with target.using(cache):
+            out = target.verify([99], np.array([0]), np.array([[True]]))
+        alone.append(int(out.argmax[0]))
+    assert picks == alone and [c.length for c in caches] == [20, 33, 46, 60]

@@ -230,7 +230,7 @@ inline void load_tile(float (*tile)[C * W], const uint16_t* base, int64_t s0, in
 // default). A step of many one-row sequences reads each one's cache once, tens of KiB a kv
 // head, from memory: the hardware prefetchers barely start on streams that short, so the reads
 // ask ahead themselves (a prefetch changes no value). 32 sequences x 1 row on Zen 5 took
-// 0.84-0.94x the time at contexts 300-600 (docs/results/zen5-s30; 8 KiB ahead into L2: 0.96x).
+// 0.84-0.94x the time at contexts 300-600 (docs/results/zen5-s30; 8 KiB ahead into L2: 0.93-0.96x).
 template <int Hint = _MM_HINT_T0>
 inline void prefetch_slots(const uint16_t* base, int64_t s0, int64_t count, int64_t hd) {
   const char* p = reinterpret_cast<const char*>(base + s0 * hd);

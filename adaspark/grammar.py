@@ -203,6 +203,11 @@ class GrammarState:
         if not self._m.consume_token(int(token)):
             raise RuntimeError(f"token {token} is illegal in the grammar: {_first_line(self._m)}")
 
+    def take(self, token: int) -> bool:
+        """Advance over `token` where the grammar allows it (True); else stay (False). One
+        matcher call where legal() then advance() make two. Not for a stop token."""
+        return self._m.try_consume_tokens([int(token)]) == 1
+
     def advance_all(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             self.advance(token)

@@ -59,7 +59,7 @@ def next_token(argmax: Any, logits: Any, sampler: Sampler | None, position: int,
     read only when sampling or under a grammar): its argmax, its seeded sample (recorded for
     logprobs), or either under `grammar`, which then advances over it (constrained.pick)."""
     if grammar is not None:
-        token, x = constrained.pick(grammar, sampler, logits[-1], position)
+        token, x = constrained.pick(grammar, sampler, logits[-1], position, top=argmax[-1])
         if sampler is not None:
             sampler.record(x, token)
         return token

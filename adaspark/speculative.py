@@ -196,7 +196,7 @@ class RoundDecode(Decode):
         adjusted: dict[int, Any] = {}
         if self.grammar is not None:  # each path row's pick under its own path's grammar state
             picks, adjusted = constrained.path_picks(self.grammar, sampler, logits.cpu(), plan,
-                                                     len(self.slot))
+                                                     len(self.slot), argmax)
         elif sampler is None:
             picks = argmax  # numpy: Batch._verify converts the step's once
         else:

@@ -126,7 +126,8 @@ def test_a_greedy_pick_equals_the_masked_argmax_whether_or_not_the_row_top_is_le
         make, tokenizer):
     """constrained.pick checks only the row's top token where it is legal: at every state of
     each case's reply, with the target's top made a legal token, an illegal one, a stop token
-    and a tie below an illegal one, its pick is the fully masked row's first maximum."""
+    and a tie below an illegal one, its pick is the fully masked row's first maximum, whether
+    it takes the row's argmax itself or is given it."""
     import torch
 
     from adaspark import constrained
@@ -151,7 +152,10 @@ def test_a_greedy_pick_equals_the_masked_argmax_whether_or_not_the_row_top_is_le
                 want = int(torch.where(torch.from_numpy(allowed), row, -torch.inf).argmax())
                 got, _ = constrained.pick(state, None, row, 0)
                 state.rollback(0 if got in state.stop_ids else 1)
-                assert got == want, (top, got, want)
+                # the same with the forward's argmax given (Batch's steps pass theirs)
+                given, _ = constrained.pick(state, None, row, 0, top=int(row.argmax()))
+                state.rollback(0 if given in state.stop_ids else 1)
+                assert got == want == given, (top, got, want, given)
                 seen["legal" if allowed[top] else "illegal"] += 1
             state.advance(token)
     assert seen["legal"] > 20 and seen["illegal"] > 20

@@ -127,3 +127,36 @@ def test_train_drafter_data_stage_from_reply_shards(replies, tmp_path):
     assert sorted(p.name for p in data.iterdir()) == [shard_path(data, 0).name]
     seqs, stored = read_shards(data)
     assert stored == [1, 14, 27] and len(seqs) == 4  # fewer than 128: one shard holds them
+
+
+def test_a_stage_trains_the_peers_form_on_a_vocabulary_of_every_unheld_reply(
+        fast_model, replies, model_path, fingerprint, tmp_path):
+    """A training stage on reply shards: the draft vocabulary counts the replies of every tap
+    shard but the held-out ones, the stage's window or not (here the window is the held-out
+    shard and one more; the records of a third shard count too), and the flags' q/k RMSNorm
+    and NeoX RoPE reach the exported drafter."""
+    import json
+
+    from adaspark.drafter import pipeline, vocab
+    from adaspark.drafter.data import target_embedding
+    from adaspark.model.gguf import read_gguf
+
+    tokenizer = Tokenizer.from_gguf(model_path)
+    s = pipeline.PipelineSettings(
+        work=tmp_path / "work", prompts=tmp_path / "unused.jsonl", per_shard=1, heldout=[0],
+        vocab_size=8, taps=[1, 14, 27], replies=replies, tap_shards=[0, 1], qk_norm=True,
+        rope_style="neox", train=pipeline.TrainSettings(steps=2, seqs_per_step=1,
+                                                        anchors_per_seq=2, val_every=1))
+    pipeline.make_data(s, fast_model, tokenizer, model_path)
+    gguf = read_gguf(model_path)
+    out = pipeline.run_pipeline(s, gguf, target_embedding(gguf), tokenizer.stop_ids,
+                                {**fingerprint, "vocab_size": fast_model.config.vocab_size})
+    config = json.loads((out / "config.json").read_text())["drafter"]
+    assert config["qk_norm"] is True and config["rope_style"] == "neox"
+    records = read_records(replies, fingerprint)
+    assert len(records) == 4  # tap shards 0-3 of one record each; 2 and 3 not in the window
+    counts = np.zeros(fast_model.config.vocab_size, dtype=np.int64)
+    for r in records[1:]:
+        np.add.at(counts, r.reply.astype(np.int64), 1)
+    want = vocab.build_draft_vocab(counts, 8, tokenizer.stop_ids)
+    np.testing.assert_array_equal(np.load(s.work / "vocab.npy"), want)

@@ -52,6 +52,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     p.add_argument("--block", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--qk-norm", action="store_true",
+                   help="per-head RMSNorm of q and k before RoPE (llama.cpp's and the "
+                        "published DSpark drafters' form)")
+    p.add_argument("--rope-style", choices=("interleaved", "neox"), default="interleaved",
+                   help="RoPE on pairs (2i, 2i+1), or NeoX's (i, i + head_dim/2)")
     p.add_argument("--ce-weight", type=float, default=TrainSettings.ce_weight,
                    help="loss weight of cross-entropy to the target's greedy token "
                         "(the DSpark reference: 0.1)")
@@ -96,6 +101,7 @@ def run(args) -> int:
         first_shard=args.first_shard, heldout=args.heldout_shards, vocab_size=args.vocab_size,
         taps=args.taps,
         n_layers=args.layers, block_size=args.block, markov_rank=args.markov_rank,
+        qk_norm=args.qk_norm, rope_style=args.rope_style,
         train=TrainSettings(steps=args.steps, seqs_per_step=args.seqs_per_step,
                             anchors_per_seq=args.anchors, lr=args.lr, seed=args.seed,
                             weight_decay=args.weight_decay, val_every=args.val_every,

@@ -48,6 +48,8 @@ class PipelineSettings:
     n_layers: int = 1
     block_size: int = 7
     markov_rank: int = 128
+    qk_norm: bool = False  # per-head q/k RMSNorm (the peers' form; no cost: draft_shape.py)
+    rope_style: str = "interleaved"  # or "neox" (the peers')
     train: TrainSettings = field(default_factory=TrainSettings)
     minutes: float | None = None  # stop training after this long (resume later)
     replies: Path | None = None  # reply shards (gen-data): the data stage recomputes their taps
@@ -106,11 +108,29 @@ def load_data(work: Path, taps: list[int], heldout: tuple[int, ...] | list[int] 
     return train, groups, list(range(len(taps)))
 
 
+def vocab_counts(s: PipelineSettings, train_seqs, vocab_size: int) -> np.ndarray:
+    """The reply-token counts the draft vocabulary is chosen from (once: WORK/vocab.npy): with
+    reply shards, every reply record outside the held-out tap shards, not only a stage's
+    window (the vocabulary outlives the window, and the first one sees a fraction of the
+    replies); else the training sequences."""
+    if s.replies is None:
+        return vocab.reply_token_counts(train_seqs, vocab_size)
+    from adaspark.drafter.replies import read_records
+
+    held = set(s.heldout)  # tap shard i holds records [i * per_shard, (i + 1) * per_shard)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i, record in enumerate(read_records(s.replies)):
+        if i // s.per_shard not in held:
+            np.add.at(counts, record.reply.astype(np.int64), 1)
+    return counts
+
+
 def build_model(s: PipelineSettings, draft_ids: np.ndarray, embed, gguf=None) -> DraftModel:
     ids = torch.from_numpy(draft_ids)
     c = DrafterConfig(
         target_layers=list(s.taps), draft_vocab_size=len(ids), dim=embed.embedding_dim,
         block_size=s.block_size, n_layers=s.n_layers, markov_rank=s.markov_rank,
+        qk_norm=s.qk_norm, rope_style=s.rope_style,
     )
     torch.manual_seed(s.train.seed)
     with torch.no_grad():
@@ -133,7 +153,7 @@ def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
     if vocab_path.exists():
         draft_ids = np.load(vocab_path)
     else:
-        counts = vocab.reply_token_counts(train_seqs, fingerprint["vocab_size"])
+        counts = vocab_counts(s, train_seqs, fingerprint["vocab_size"])
         draft_ids = vocab.build_draft_vocab(counts, s.vocab_size, stop_ids)
         np.save(vocab_path, draft_ids)
     cov = vocab.coverage(val_seqs, draft_ids)

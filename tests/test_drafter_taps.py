@@ -160,3 +160,45 @@ def test_a_stage_trains_the_peers_form_on_a_vocabulary_of_every_unheld_reply(
         np.add.at(counts, r.reply.astype(np.int64), 1)
     want = vocab.build_draft_vocab(counts, 8, tokenizer.stop_ids)
     np.testing.assert_array_equal(np.load(s.work / "vocab.npy"), want)
+
+
+def test_a_stage_starts_from_a_committed_checkpoint(fast_model, replies, model_path,
+                                                    fingerprint, tmp_path, caplog):
+    """--init-from: a fresh work directory takes the checkpoint's weights, vocabulary and step
+    (training goes on from there: the schedule's step, not 0); a run of another shape is
+    refused by name."""
+    import json
+
+    from adaspark.drafter import pipeline
+    from adaspark.drafter.data import target_embedding
+    from adaspark.errors import UserError
+    from adaspark.model.gguf import read_gguf
+
+    tokenizer = Tokenizer.from_gguf(model_path)
+    gguf = read_gguf(model_path)
+    c = fast_model.config  # the target's fingerprint as the command makes it
+    fp = {**fingerprint, "arch": c.arch, "n_layers": c.n_layers, "dim": c.dim,
+          "vocab_size": c.vocab_size}
+
+    def stage(work, steps, init_from=None, layers=1):
+        s = pipeline.PipelineSettings(
+            work=tmp_path / work, prompts=tmp_path / "unused.jsonl", per_shard=1, heldout=[0],
+            vocab_size=8, taps=[1, 14, 27], replies=replies, tap_shards=[0, 1],
+            n_layers=layers, init_from=init_from,
+            train=pipeline.TrainSettings(steps=steps, seqs_per_step=1, anchors_per_seq=2,
+                                         val_every=1))
+        pipeline.make_data(s, fast_model, tokenizer, model_path)
+        return s, pipeline.run_pipeline(s, gguf, target_embedding(gguf), tokenizer.stop_ids, fp)
+
+    caplog.set_level("INFO", logger="adaspark.drafter")
+    first, out = stage("first", 2)
+    with pytest.raises(UserError, match="another drafter shape.*n_layers"):
+        stage("wider", 4, init_from=out, layers=2)
+    second, out2 = stage("second", 3, init_from=out)
+    np.testing.assert_array_equal(np.load(second.work / "vocab.npy"),
+                                  np.load(first.work / "vocab.npy"))
+    log = caplog.text[caplog.text.index("seeded from"):]
+    assert "at step 2" in log and "resumed from" in log
+    # one step (2 -> 3) trained on the seeded weights: the state and the export say 3
+    assert torch.load(second.work / "train_state.pt", weights_only=False)["step"] == 3
+    assert json.loads((out2 / "config.json").read_text())["info"]["steps"] == 3

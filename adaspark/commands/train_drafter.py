@@ -44,6 +44,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tap-shards", type=_range,
                    help="with --replies: only these tap shards, e.g. 0-39 (a training stage's "
                         "window; 128 replies a shard)")
+    p.add_argument("--init-from", help="a drafter checkpoint a fresh --work starts from (a "
+                                        "committed stage): its weights, vocabulary and step; "
+                                        "its shape must be this run's")
     p.add_argument("--data-only", action="store_true", help="stop after the data stage")
     p.add_argument("--skip-data", action="store_true",
                    help="train on the shards already in WORK/data/train; generate none")
@@ -108,6 +111,7 @@ def run(args) -> int:
                             ce_weight=args.ce_weight, tv_weight=args.tv_weight),
         minutes=args.minutes,
         replies=Path(args.replies) if args.replies else None, tap_shards=args.tap_shards,
+        init_from=Path(args.init_from) if args.init_from else None,
     )
     if not args.skip_data:
         from adaspark.model.transformer import Transformer

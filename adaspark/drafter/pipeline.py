@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from adaspark.drafter import calibrate, vocab
-from adaspark.drafter.checkpoint import save_checkpoint
+from adaspark.drafter.checkpoint import load_checkpoint, save_checkpoint
 from adaspark.drafter.loss import WEIGHTS
 from adaspark.drafter.model import DrafterConfig, DraftModel
 from adaspark.drafter.shards import read_shards, shard_path, shard_tokens
@@ -54,6 +54,9 @@ class PipelineSettings:
     minutes: float | None = None  # stop training after this long (resume later)
     replies: Path | None = None  # reply shards (gen-data): the data stage recomputes their taps
     tap_shards: list[int] | None = None  # with replies: only these tap shards (None: all)
+    # a checkpoint a fresh work directory starts from (a stage committed by an earlier session):
+    # its weights, vocabulary and step; Adam's moments restart
+    init_from: Path | None = None
 
 
 def setup_logging(work: Path) -> None:
@@ -142,6 +145,27 @@ def build_model(s: PipelineSettings, draft_ids: np.ndarray, embed, gguf=None) ->
     return model
 
 
+def seed_state(model: DraftModel, start: DraftModel, s: PipelineSettings, state: Path) -> None:
+    """The training state of a stage that starts from `start` (init_from's checkpoint): its
+    weights in `model` (the settings' shape: UserError where it differs), at the step its stage
+    ended (the schedule goes on from there), Adam's moments fresh."""
+    import json
+
+    from adaspark.drafter.train import param_groups, save_state
+
+    if start.c != model.c:
+        diff = {k: (v, getattr(model.c, k)) for k, v in start.c.to_dict().items()
+                if getattr(model.c, k) != v}
+        raise UserError(f"{s.init_from} is another drafter shape than this run's: {diff} "
+                        "(checkpoint, this run)")
+    model.load_state_dict(start.state_dict())
+    info = json.loads((Path(s.init_from) / "config.json").read_text()).get("info", {})
+    step = int(info.get("steps", 0))
+    opt = torch.optim.AdamW(param_groups(model, s.train.weight_decay), lr=s.train.lr)
+    save_state(state, model, opt, step, s.train)
+    log.info("seeded from %s at step %d (Adam's moments fresh)", s.init_from, step)
+
+
 def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
                  out: Path | None = None) -> Path:
     """Everything after the data stage; returns the exported checkpoint directory."""
@@ -150,6 +174,14 @@ def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
     val_seqs = [seq for group in val_groups for seq in group]
     log.info("data: %d training sequences, %d held out", len(train_seqs), len(val_seqs))
     vocab_path = s.work / "vocab.npy"
+    state = s.work / "train_state.pt"
+    start = None
+    if s.init_from is not None and not state.exists():
+        start = load_checkpoint(s.init_from, fingerprint, embed)
+        if vocab_path.exists() and not np.array_equal(np.load(vocab_path),
+                                                      start.draft_ids.numpy()):
+            raise UserError(f"{vocab_path} is not the draft vocabulary of {s.init_from}")
+        np.save(vocab_path, start.draft_ids.numpy())
     if vocab_path.exists():
         draft_ids = np.load(vocab_path)
     else:
@@ -159,7 +191,8 @@ def run_pipeline(s: PipelineSettings, gguf, embed, stop_ids, fingerprint: dict,
     cov = vocab.coverage(val_seqs, draft_ids)
     log.info("draft vocabulary %d tokens, held-out reply coverage %.4f", len(draft_ids), cov)
     model = build_model(s, draft_ids, embed, gguf)
-    state = s.work / "train_state.pt"
+    if start is not None:
+        seed_state(model, start, s, state)
     deadline = None if s.minutes is None else time.time() + 60 * s.minutes
     # a fixed slice, as much of each held-out shard, keeps the periodic check to seconds
     quick_val = [seq for group in val_groups for seq in group[: 32 // len(val_groups)]]

@@ -3,7 +3,7 @@ draft at most 0.2x that step on every build, and the shape (draft vocabulary, de
 q/k RMSNorm with NeoX RoPE) is chosen against it.
 
     .venv/bin/python benchmarks/draft_shape.py [--context 512] [--reps 100]
-        [--shapes 8192x1,12288x1,16384x1,12288x2,12288x1qk] [--json OUT]
+        [--shapes shipped,8192x1,12288x1,16384x1,12288x2,12288x1qk] [--json OUT]
 
 Each shape is a drafter of random weights (but for the Markov head's, below) on the
 target's own build (native: ADASPARK_NATIVE=avx2 forces the AVX2 one), its context features
@@ -18,17 +18,18 @@ RMSNorm and NeoX RoPE (the peers' form); `shipped` is the drafter the package sh
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from adaspark import cpuinfo
+from adaspark.drafter.loading import DEFAULT_DRAFTER
 from adaspark.drafter.model import DrafterConfig, DraftModel
 from adaspark.drafter.runtime import Drafter
 from adaspark.model.sources import resolve_model
@@ -36,8 +37,12 @@ from adaspark.model.transformer import Transformer
 
 SHAPE = re.compile(r"(\d+)x(\d+)(qk)?$")
 TAPS = [1, 14, 27]  # the shipped drafter's target layers
-SHIPPED = load_file(str(Path(__file__).resolve().parents[1] / "adaspark/assets/drafters"
-                                                           "/smollm2-135m-instruct-dspark/model.safetensors"))
+
+
+@functools.cache
+def shipped() -> dict[str, torch.Tensor]:
+    """The shipped drafter's tensors (its Markov rows stand in for a trained head's)."""
+    return load_file(str(DEFAULT_DRAFTER / "model.safetensors"))
 
 
 def drafter_of(target: Transformer, path, spec: str, context: int) -> Drafter:
@@ -53,7 +58,7 @@ def drafter_of(target: Transformer, path, spec: str, context: int) -> Drafter:
     torch.manual_seed(0)
     ids = torch.arange(vocab)
     c = DrafterConfig(target_layers=TAPS, draft_vocab_size=vocab, n_layers=layers,
-                      markov_rank=SHIPPED["markov_w2.weight"].shape[1], qk_norm=qk,
+                      markov_rank=shipped()["markov_w2.weight"].shape[1], qk_norm=qk,
                       rope_style="neox" if qk else "interleaved")
     model = DraftModel(c, ids, target.embed(ids))
     with torch.no_grad():  # the shipped drafter's trained Markov rows, repeated to the shape's
@@ -62,7 +67,7 @@ def drafter_of(target: Transformer, path, spec: str, context: int) -> Drafter:
         # spread cost ~1.5x the trained ones)
         for name, rows in (("markov_w1", model.markov_w1.weight), ("markov_w2",
                                                                      model.markov_w2.weight)):
-            trained = SHIPPED[f"{name}.weight"]
+            trained = shipped()[f"{name}.weight"]
             rows.copy_(trained[torch.arange(rows.shape[0]) % trained.shape[0]].float())
     # where the target has no native build, the drafter's torch path (as the engine's)
     return Drafter(model, target.embed, dtype=torch.float32, native=target.native_module,

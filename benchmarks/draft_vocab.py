@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from adaspark.drafter.loading import DEFAULT_DRAFTER
 from adaspark.drafter.replies import read_records
 from adaspark.drafter.vocab import build_draft_vocab
 
 REPLIES = Path(__file__).resolve().parents[1] / "data/drafter/replies"
-SHIPPED = Path(__file__).resolve().parents[1] / \
-    "adaspark/assets/drafters/smollm2-135m-instruct-dspark/model.safetensors"
+SHIPPED = DEFAULT_DRAFTER / "model.safetensors"
 SIZES = (4096, 8192, 12288, 16384, 24576, 32768)
 
 

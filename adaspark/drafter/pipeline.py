@@ -13,6 +13,7 @@ there, so the same command resumes a killed run:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -149,8 +150,6 @@ def seed_state(model: DraftModel, start: DraftModel, s: PipelineSettings, state:
     """The training state of a stage that starts from `start` (init_from's checkpoint): its
     weights in `model` (the settings' shape: UserError where it differs), at the step its stage
     ended (the schedule goes on from there), Adam's moments fresh."""
-    import json
-
     from adaspark.drafter.train import param_groups, save_state
 
     if start.c != model.c:

@@ -93,6 +93,63 @@ class ResponseFormat:
         return json.dumps(self.schema, separators=(",", ":"))
 
 
+# Type names tool schemas write in their languages' words (BFCL's Python, Java and JavaScript
+# tools: "dict", "float", "HashMap", ...) -> JSON Schema's; a name not here and not JSON
+# Schema's ("any") leaves the value's type open.
+TYPE_ALIASES = {"dict": "object", "hashmap": "object", "map": "object", "float": "number",
+                "double": "number", "int": "integer", "long": "integer", "tuple": "array",
+                "list": "array", "arraylist": "array", "char": "string", "str": "string",
+                "bool": "boolean"}
+JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "propertyNames")
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _json_type(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return None
+    t = name.strip().lower()
+    t = TYPE_ALIASES.get(t, t)
+    return t if t in JSON_TYPES else None
+
+
+def json_schema_of(node: Any) -> Any:
+    """A tool's parameter schema as JSON Schema: null-valued keywords dropped (ToolACE writes
+    "required": null) and type names in a language's words mapped to JSON's (TYPE_ALIASES)."""
+    if not isinstance(node, Mapping):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if v is None:
+            continue
+        if k == "type":
+            names = [_json_type(t) for t in (v if isinstance(v, list) else [v])]
+            if all(names):
+                out[k] = names if isinstance(v, list) else names[0]
+        elif k in ("properties", "$defs", "definitions") and isinstance(v, Mapping):
+            out[k] = {name: json_schema_of(sub) for name, sub in v.items()}
+        elif k in _SUBSCHEMA:
+            out[k] = [json_schema_of(x) for x in v] if isinstance(v, list) else json_schema_of(v)
+        elif k in _SUBSCHEMAS and isinstance(v, list):
+            out[k] = [json_schema_of(x) for x in v]
+        else:
+            out[k] = v
+    return out
+
+
+def tool_call_schema(tools: Sequence[Mapping[str, Any]]) -> dict:
+    """One call of one of `tools` (OpenAI's {"type": "function", "function": ...} or the function
+    itself): {"name": its name, "arguments": its parameters}."""
+    calls = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        calls.append({"type": "object", "properties": {
+            "name": {"const": fn["name"]},
+            "arguments": json_schema_of(fn.get("parameters") or {"type": "object"})},
+            "required": ["name", "arguments"], "additionalProperties": False})
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
 class _Vocabulary:
     """The model's tokens as llguidance reads them: each token's bytes (control tokens marked
     with a leading 0xFF, so that no grammar spells them as text), an encoder, the end tokens."""

@@ -13,6 +13,7 @@ or slows down moves them alike; the verify also leaves the target's weights in t
 before the drafts, as a round does. Prints each shape's median draft ms and its ratio to the
 median one-row step. A shape is VxL (draft vocabulary x decoder layers), `qk` appended for q/k
 RMSNorm and NeoX RoPE (the peers' form); `shipped` is the drafter the package ships, trained.
+`h4` appended to any shape puts its head in Q4_1 blocks, not Q8_0 (`shippedh4`, `12288x1qkh4`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from adaspark.model.sources import resolve_model
 from adaspark.model.transformer import Transformer
 
 SHAPE = re.compile(r"(\d+)x(\d+)(qk)?$")
+HEAD4 = "h4"  # a shape's suffix: the head in Q4_1 blocks
 TAPS = [1, 14, 27]  # the shipped drafter's target layers
 
 
@@ -47,10 +49,12 @@ def shipped() -> dict[str, torch.Tensor]:
 
 def drafter_of(target: Transformer, path, spec: str, context: int) -> Drafter:
     """A random drafter of shape `spec` on the target's build ("shipped": the target's own)."""
+    head_bits = 4 if spec.endswith(HEAD4) else 8
+    spec = spec.removesuffix(HEAD4)
     if spec == "shipped":
         from adaspark.drafter.loading import load_drafter
 
-        return load_drafter(target, path)
+        return load_drafter(target, path, head_bits=head_bits)
     m = SHAPE.fullmatch(spec)
     if m is None:
         raise SystemExit(f"shape {spec!r}: write VOCABxLAYERS, e.g. 12288x1 or 12288x1qk")
@@ -72,7 +76,7 @@ def drafter_of(target: Transformer, path, spec: str, context: int) -> Drafter:
     # where the target has no native build, the drafter's torch path (as the engine's)
     return Drafter(model, target.embed, dtype=torch.float32, native=target.native_module,
                    positions=context + 2 * c.block_size,
-                   embedding=getattr(target, "packed_embeddings", None))
+                   embedding=getattr(target, "packed_embeddings", None), head_bits=head_bits)
 
 
 def main(argv=None) -> int:

@@ -28,13 +28,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from adaspark import cpuinfo
 from adaspark.engine import Engine
 from adaspark.errors import UserError
+from adaspark.grammar import tool_call_schema
 from adaspark.model.gguf import read_gguf
 from adaspark.model.sources import resolve_model
 from adaspark.model.tokenizer import Tokenizer
@@ -59,25 +59,6 @@ OWN = [
 ]
 
 
-def clean(node: Any) -> Any:
-    """A schema without null-valued keywords (ToolACE writes "required": null)."""
-    if isinstance(node, dict):
-        return {k: clean(v) for k, v in node.items() if v is not None}
-    return [clean(v) for v in node] if isinstance(node, list) else node
-
-
-def call_schema(tools: list[dict]) -> dict:
-    """One call of one of `tools`: {"name": its name, "arguments": its parameters}."""
-    calls = []
-    for tool in tools:
-        fn = tool.get("function", tool)
-        calls.append({"type": "object", "properties": {
-            "name": {"const": fn["name"]},
-            "arguments": clean(fn.get("parameters") or {"type": "object"})},
-            "required": ["name", "arguments"], "additionalProperties": False})
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
 def prompts(path: Path) -> list[dict]:
     """[{name, messages, tools, response_format, schema}]: the tool-use first turns, then OWN."""
     out = []
@@ -87,7 +68,7 @@ def prompts(path: Path) -> list[dict]:
             continue
         messages = ([{"role": "system", "content": conv["system"]}] if conv.get("system")
                     else []) + [{"role": "user", "content": conv["turns"][0]}]
-        schema = call_schema(conv["tools"])
+        schema = tool_call_schema(conv["tools"])
         out.append({"name": f"toolace/{conv['id']}", "messages": messages,
                     "tools": conv["tools"], "schema": schema,
                     "response_format": {"type": "json_schema",

@@ -5,11 +5,14 @@ the same data, each reply once; shards of another target are refused."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import numpy as np
 import pytest
 
 from adaspark.drafter.generate import GenSettings, ReplyGenerator, reply_text
-from adaspark.drafter.pool import Conversation
+from adaspark.drafter.pool import Conversation, tool_calls
 from adaspark.drafter.replies import read_records, shard_paths
 from adaspark.engine import Engine
 from adaspark.errors import UserError
@@ -113,6 +116,41 @@ def test_long_prompts_end_their_conversation(engine, tmp_path):
     report = ReplyGenerator(engine, [long, POOL[3]], tmp_path, TARGET, tight).run()
     assert (report.records, report.skipped) == (1, 1)
     assert [r.key for r in read_records(tmp_path)] == [POOL[3].key]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "dict", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_reply_follows_its_schema_beside_the_free_reply(engine, tmp_path):
+    """A tool conversation's call (tool_calls) and its free twin share a prompt but are two
+    replies: the call is `ar`'s reply alone under the same response_format, JSON valid under
+    the call schema; the free one is `ar`'s free reply. A schema the grammar library refuses
+    fails that reply alone."""
+    free = Conversation("tools", ("What is the weather in Paris right now?",), (WEATHER,))
+    broken = Conversation("broken", ("Hi",), ({"name": "h", "parameters": {"$ref": "#/no"}},))
+    call, refused = tool_calls([free, broken])
+    settings = GenSettings(max_new=48, max_prompt_tokens=400, concurrency=3, shard_size=8)
+    report = ReplyGenerator(engine, [free, call, refused], tmp_path, TARGET, settings).run()
+    assert (report.records, report.failed) == (2, 1)
+    by = {r.key: r for r in read_records(tmp_path, TARGET)}
+    prompt = free.prompt_ids(engine.tokenizer, 0, [])
+    for conv in (free, call):
+        assert by[conv.key].tokens[:by[conv.key].prompt_len].tolist() == prompt
+    assert by[free.key].reply.tolist() == alone(engine, prompt, settings.max_new)
+    engine.batch.max_slots = 1
+    engine.reset()
+    gen = engine.generate_ids(prompt, max_tokens=settings.max_new,
+                              response_format=call.response_format)
+    assert by[call.key].finish == "stop" and gen.stop_token_id is not None
+    assert by[call.key].reply.tolist() == gen.token_ids + [gen.stop_token_id]
+    jsonschema.validate(json.loads(reply_text(engine.tokenizer, by[call.key])),
+                        call.response_format["json_schema"]["schema"])
+    assert by[call.key].reply.tolist() != by[free.key].reply.tolist()
+    again = ReplyGenerator(engine, [free, call], tmp_path, TARGET, settings).run()
+    assert again.records == 0  # both found again by their prompt and structure
 
 
 def test_refuses_other_targets_shards_and_too_small_a_context(engine, full_run):

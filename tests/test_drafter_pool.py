@@ -5,12 +5,20 @@ against the evaluation pool, and the committed pool itself (data/drafter/pool.js
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
-from adaspark.drafter.pool import Conversation, EvalGuard, ordered, read_pool
+from adaspark.drafter.pool import (
+    CALL_SUFFIX,
+    Conversation,
+    EvalGuard,
+    ordered,
+    read_pool,
+    tool_calls,
+)
 from adaspark.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +54,27 @@ def test_messages_put_earlier_replies_between_user_turns():
     with pytest.raises(ValueError):
         c.messages(2, ["A1"])
     assert Conversation("s", ("Q1",)).key != Conversation("s", ("Q1", "Q2")).key
+
+
+def test_tool_calls_answer_each_tool_conversations_first_turn_under_a_call_schema():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "dict", "properties": {"x": {"type": "float"}}}}}
+    free = [Conversation("bfcl/simple", ("Call f with 2.", "And 3?"), (tool,), "Use tools."),
+            Conversation("chat", ("Hi",))]
+    calls = tool_calls(free)
+    assert len(calls) == 1
+    call = calls[0]
+    assert (call.source, call.turns, call.tools, call.system) == (
+        "bfcl/simple" + CALL_SUFFIX, ("Call f with 2.",), (tool,), "Use tools.")
+    schema = call.response_format["json_schema"]["schema"]
+    assert call.response_format["type"] == "json_schema"
+    assert schema["properties"]["arguments"]["properties"]["x"] == {"type": "number"}
+    assert call.messages(0, []) == free[0].messages(0, [])  # the same prompt, its own key
+    assert call.key != Conversation("bfcl/simple" + CALL_SUFFIX, call.turns, (tool,),
+                                    "Use tools.").key
+    # a free conversation's key is what it was before structured replies existed
+    body = json.dumps(["chat", ["Hi"], None, None], sort_keys=True)
+    assert free[1].key == hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def test_order_is_seeded_and_filters_sources():

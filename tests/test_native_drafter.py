@@ -56,6 +56,40 @@ def test_q8_0_keeps_each_weight_within_half_a_step():
     assert np.all(np.abs(values - blocks) <= d[..., None] * (0.5 + 2**-10))
 
 
+def test_q4_1_keeps_each_weight_within_half_a_step():
+    """Half a step d/2, plus the fp16 rounding of the block's minimum and step (2^-11 of each,
+    the step's over its 15 steps)."""
+    w = torch.randn(48, 96) * torch.logspace(-3, 1, 96)
+    bits, u, d, m = native.quantize_q4_1(w)
+    blocks = w.numpy().reshape(48, 3, 32)
+    assert bits == 4 and u.dtype == np.uint8 and int(u.max()) <= 15
+    for s in (d, m):  # GGUF's fp16 scales and minimums
+        assert np.array_equal(s, s.astype(np.float16).astype(np.float32))
+    values = d[..., None] * u + m[..., None]
+    slack = d * (0.5 + 16 * 2**-11) + np.abs(m) * 2**-11
+    assert np.all(np.abs(values - blocks) <= slack[..., None])
+
+
+def test_a_q4_1_head_stays_near_the_float32_head(module, shipped, fast_model):
+    """The head in Q4_1: each weight off by at most half a step of its block's range / 15, ~range
+    / 52 rms, about 8% of a block's rms for trained rows (a block's range ~4 of its rms), so
+    the logits move by about that (measured 9.5% on the shipped head; Q8_0: 0.8%); a wrong
+    nibble order or scale gives ~100%.
+    The picks then differ only where the float32 logits nearly tie."""
+    model, taps, tokens = shipped
+    anchor = fast_model.embed(torch.tensor([tokens[-1]]))[0]
+    for bits, bound in ((8, 2**-5), (4, 2**-3)):
+        d = Drafter(model, fast_model.embed, native=module, positions=POSITIONS, head_bits=bits)
+        d.observe({i: taps[:, j] for j, i in enumerate(model.c.target_layers)})
+        n = d.cache.length
+        hidden, logits = d.native.backbone(d.cache.k, d.cache.v, anchor, n, torch.empty(0))
+        want = model.logits(hidden).detach()  # the float32 head on the native rows
+        error = (logits - want).norm(dim=-1) / want.norm(dim=-1)
+        assert float(error.max()) < bound, (bits, float(error.max()))
+    with pytest.raises(ValueError, match="head_bits"):
+        Drafter(model, fast_model.embed, native=module, positions=POSITIONS, head_bits=5)
+
+
 def test_the_native_backbone_stays_near_the_float32_drafter(module, shipped, fast_model):
     """Q8_0 weights and int8 activations, each rounded by at most half a step of 1/127 of a
     block's largest value, move the one-layer drafter's rows by about 1% (measured 0.99%; 1.8%

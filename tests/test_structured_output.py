@@ -14,7 +14,13 @@ import pytest
 
 from adaspark.drafter.loading import load_drafter
 from adaspark.engine import Engine
-from adaspark.grammar import MAX_SCHEMA_BYTES, GrammarError, ResponseFormat
+from adaspark.grammar import (
+    MAX_SCHEMA_BYTES,
+    GrammarError,
+    ResponseFormat,
+    json_schema_of,
+    tool_call_schema,
+)
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
 from adaspark.scheduler.round import Scheduler
@@ -78,6 +84,32 @@ def assert_valid(reply, schema) -> None:
 
 
 # ----- the grammar on its own ----------------------------------------------------------------
+def test_tool_schemas_in_a_languages_type_names_become_json_schema(make):
+    """BFCL writes Python's and Java's type names ("dict", "float", "HashMap", "any"): they map
+    to JSON Schema's, an unknown one leaves the type open, a property named "type" stays, null
+    keywords go; the call schema of such a tool compiles and admits the call it describes."""
+    params = {"type": "dict", "required": None, "properties": {
+        "type": {"type": "String", "description": "a property named type"},
+        "ratio": {"type": "float"}, "sizes": {"type": "tuple", "items": {"type": "int"}},
+        "options": {"type": "HashMap", "additionalProperties": {"type": "any"}},
+        "mode": {"type": ["str", "null"]}}}
+    assert json_schema_of(params) == {"type": "object", "properties": {
+        "type": {"type": "string", "description": "a property named type"},
+        "ratio": {"type": "number"}, "sizes": {"type": "array", "items": {"type": "integer"}},
+        "options": {"type": "object", "additionalProperties": {}},
+        "mode": {"type": ["string", "null"]}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}},
+             {"name": "g"}]
+    schema = tool_call_schema(tools)
+    assert [c["properties"]["name"] for c in schema["anyOf"]] == [{"const": "f"}, {"const": "g"}]
+    grammar = make("ar").grammar({"type": "json_schema", "json_schema": {"schema": schema}})
+    assert grammar is not None
+    jsonschema.validate({"name": "f", "arguments": {"type": "x", "ratio": 0.5, "sizes": [1],
+                                                    "options": {"k": [1, "v"]}}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "f", "arguments": {"ratio": "half"}}, schema)
+
+
 def test_response_formats_parse_and_refuse_with_the_reason():
     assert ResponseFormat.parse(None) is None and ResponseFormat.parse({"type": "text"}) is None
     assert ResponseFormat.parse({"type": "json_object"}) == ResponseFormat("json_object")

@@ -19,6 +19,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new", type=int, default=256, help="reply length cap")
     p.add_argument("--max-prompt-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--native", action="store_true",
+                   help="replay and time the draft the engine runs: the native build's, on "
+                        "quantised weights (default: the torch path)")
+    p.add_argument("--head-bits", type=int, choices=(8, 4), default=8,
+                   help="with --native: the head in Q8_0 (8) or Q4_1 (4) blocks")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
@@ -44,6 +49,7 @@ def run(args) -> int:
     from adaspark.drafter.loading import default_drafter_for, model_sha256
     from adaspark.drafter.runtime import Drafter
     from adaspark.drafter.shards import read_shards
+    from adaspark.errors import UserError
     from adaspark.model.config import ModelConfig
     from adaspark.model.gguf import read_gguf
     from adaspark.model.sources import resolve_model
@@ -72,16 +78,27 @@ def run(args) -> int:
                                  shuffle=False)
         generate_shards(target, tokenizer, prompts, eval_dir, taps, args.max_new, batch=4)
     seqs, _ = read_shards(eval_dir, taps)
-    result = evaluate(model, embed, seqs, list(range(len(taps))), max_seqs=args.max_prompts,
-                      groups=prompt_sources(seqs, items, tokenizer))
-    result["drafter"] = str(drafter_path)
-    result["replay_draft_ms"] = result.pop("draft_ms")
     if target is None:
         from adaspark.model.transformer import Transformer
 
         target = Transformer.from_gguf(model_path)
+    options = {}
+    if args.native:
+        if target.native_module is None:
+            raise UserError("--native: no native build runs here (scripts/setup.sh builds it)")
+        options = {"native": target.native_module, "dtype": torch.float32,
+                   "head_bits": args.head_bits,
+                   "positions": max(len(s.tokens) for s in seqs) + 2 * model.c.block_size}
+    result = evaluate(model, embed, seqs, list(range(len(taps))), max_seqs=args.max_prompts,
+                      groups=prompt_sources(seqs, items, tokenizer), runtime=options)
+    result.update(drafter=str(drafter_path), draft_path="native" if args.native else "torch",
+                  head_bits=args.head_bits if args.native else None)
+    result["replay_draft_ms"] = result.pop("draft_ms")
     # the drafter on the engine's own embedding, timed alternately with a one-row target forward
-    runtime = Drafter(load_checkpoint(drafter_path, info, target.embed), target.embed)
+    if args.native:
+        options.update(positions=target.cache.capacity + model.c.block_size,
+                       embedding=getattr(target, "packed_embeddings", None))
+    runtime = Drafter(load_checkpoint(drafter_path, info, target.embed), target.embed, **options)
     result.update(interleaved_timing(runtime, target))
     if args.json:
         print(json.dumps(result, indent=2))

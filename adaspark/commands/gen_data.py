@@ -28,6 +28,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="prompt pools: conversation JSONL (.gz too) or training-prompt JSONL")
     p.add_argument("--sources", type=lambda v: [x for x in v.split(",") if x],
                    help="only these sources (comma-separated prefixes)")
+    p.add_argument("--tool-calls", action="store_true",
+                   help="instead of the pool's conversations: each one with tools, its first "
+                        "turn answered as one call of its tools under a JSON Schema (the "
+                        "replies a drafter meets under response_format)")
     p.add_argument("--seed", type=int, default=0, help="the pool's order")
     p.add_argument("--max-new", type=int, default=256, help="reply length cap")
     p.add_argument("--max-prompt-tokens", type=int, default=4096,
@@ -44,7 +48,7 @@ def run(args) -> int:
     import torch
 
     from adaspark.drafter.generate import GenSettings, ReplyGenerator
-    from adaspark.drafter.pool import ordered, read_pool
+    from adaspark.drafter.pool import ordered, read_pool, tool_calls
     from adaspark.drafter.replies import read_records, target_fingerprint, totals
     from adaspark.engine import Engine
     from adaspark.errors import UserError
@@ -55,7 +59,10 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    pool = ordered(read_pool(Path(p) for p in args.pool), args.seed, args.sources)
+    pool = read_pool(Path(p) for p in args.pool)
+    if args.tool_calls:
+        pool = tool_calls(pool)
+    pool = ordered(pool, args.seed, args.sources)
     if not pool:
         raise UserError(f"no conversations in {args.pool} (sources {args.sources})")
     model_path = resolve_model(args.model)

@@ -56,11 +56,12 @@ def replay_chain(drafter: Drafter, seq, tap_index) -> dict:
 
 
 def evaluate(model: DraftModel, embed, seqs, tap_index, temps_before=None, max_seqs=None,
-             groups: list[str] | None = None) -> dict:
+             groups: list[str] | None = None, runtime: dict | None = None) -> dict:
     """Chain metrics over `seqs`; with `groups` (a label per sequence, e.g. its dataset) also the
-    chain tokens per round of each group, to see where the drafter falls short."""
+    chain tokens per round of each group, to see where the drafter falls short. runtime: the
+    replay Drafter's options (native=module, head_bits=...: the engine's quantised draft)."""
     seqs = seqs[:max_seqs] if max_seqs else seqs
-    drafter = Drafter(model, embed)
+    drafter = Drafter(model, embed, **(runtime or {}))
     B = model.c.block_size
     tot = {k: np.zeros(B) for k in ("reached", "accepted", "topk_hit")}
     rounds = committed = 0

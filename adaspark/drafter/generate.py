@@ -19,6 +19,7 @@ reply; the replies still running are dropped and run again next time.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections import deque
@@ -68,8 +69,13 @@ class _Job:
     digest: bytes  # prompt_digest(prompt)
 
 
-def prompt_digest(prompt: Sequence[int]) -> bytes:
-    return hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=16).digest()
+def prompt_digest(prompt: Sequence[int], response_format: dict | None = None) -> bytes:
+    """A reply's identity: its prompt, and its structure where it has one (a tool call under a
+    schema and the free reply to the same prompt are two replies)."""
+    h = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=16)
+    if response_format is not None:
+        h.update(json.dumps(response_format, sort_keys=True).encode())
+    return h.digest()
 
 
 def reply_text(tokenizer, record: Record) -> str:
@@ -100,10 +106,14 @@ class ReplyGenerator:
                             f"context of {engine.context_length}")
         done = read_records(self.out_dir, target)
         self.by_conv: dict[str, dict[int, Record]] = {}
-        self.by_prompt: dict[bytes, Record] = {}  # every reply by its prompt
+        # every reply of this pool's conversations by its prompt (and structure): a record
+        # of a conversation not in the pool has no known structure and is not reused
+        self.by_prompt: dict[bytes, Record] = {}
+        formats = {c.key: c.response_format for c in self.pool}
         for r in done:
             self.by_conv.setdefault(r.key, {})[r.turn] = r
-            self.by_prompt[prompt_digest(r.tokens[:r.prompt_len])] = r
+            if r.key in formats:
+                self.by_prompt[prompt_digest(r.tokens[:r.prompt_len], formats[r.key])] = r
         self.waiting: dict[bytes, list[Conversation]] = {}  # running prompt -> conversations
         self.stop_ids = set(self.tokenizer.stop_ids)
 
@@ -128,7 +138,7 @@ class ReplyGenerator:
             if len(prompt) > self.s.max_prompt_tokens:
                 report.skipped += 1
                 return None
-            digest = prompt_digest(prompt)
+            digest = prompt_digest(prompt, conv.response_format)
             answered = self.by_prompt.get(digest)
             if answered is None:
                 if digest in self.waiting:  # running: this conversation goes on after it
@@ -190,17 +200,22 @@ class ReplyGenerator:
                     report.stopped = "budget"
                     break
                 while not batch.full and (job := self._take(report)) is not None:
-                    seq = engine.new_decode(job.prompt, max_tokens=self.s.max_new)
+                    try:
+                        seq = engine.new_decode(job.prompt, max_tokens=self.s.max_new,
+                                                response_format=job.conv.response_format)
+                    except UserError as err:  # a tool schema the grammar library refuses
+                        self._failed(job, err, report)
+                        continue
                     if batch.join(seq):
                         running[id(seq)] = (seq, job)
                     else:
-                        self._failed(job, seq, report)
+                        self._failed(job, seq.error, report)
                 if not running:  # nothing runs and nothing is left to run
                     break
                 for seq in batch.step():
                     _, job = running.pop(id(seq))
                     if seq.error is not None:
-                        self._failed(job, seq, report)
+                        self._failed(job, seq.error, report)
                         continue
                     record = self._record(job, seq)
                     self.by_conv.setdefault(job.conv.key, {})[job.turn] = record
@@ -230,9 +245,9 @@ class ReplyGenerator:
         return Record(job.conv.key, job.turn, job.conv.source,
                       np.asarray(job.prompt + reply, dtype=np.int64), len(job.prompt), finish)
 
-    def _failed(self, job: _Job, seq, report: GenReport) -> None:
+    def _failed(self, job: _Job, error, report: GenReport) -> None:
         waiting = self.waiting.pop(job.digest, [])
         report.failed += 1 + len(waiting)
         log.warning("reply to %s turn %d failed (%s); its conversation ends there (and %d "
-                    "more that share the prompt)", job.conv.key, job.turn, seq.error,
+                    "more that share the prompt)", job.conv.key, job.turn, error,
                     len(waiting))

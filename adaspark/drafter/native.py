@@ -18,7 +18,9 @@ import torch
 
 from adaspark.drafter.model import DraftModel, neox_to_pairs, rope_tables
 from adaspark.drafter.runtime import DrafterCache
-from adaspark.model.native import pack_blocks, quantize_q8_0
+from adaspark.model.native import pack_blocks, quantize_q4_1, quantize_q8_0
+
+HEAD_QUANTS = {8: quantize_q8_0, 4: quantize_q4_1}  # the head's bits -> its block type
 
 
 def _q8(module: ModuleType, *weights: torch.Tensor):
@@ -42,8 +44,12 @@ def _unit_scale(w: torch.Tensor) -> float:
     return 1.0 if top == 0.0 else 2.0 ** -math.frexp(top)[1]
 
 
-def native_drafter(module: ModuleType, model: DraftModel, positions: int):
+def native_drafter(module: ModuleType, model: DraftModel, positions: int, head_bits: int = 8):
     """The native Drafter for a float32 DraftModel, RoPE tables for `positions` positions.
+
+    head_bits: the head's blocks, Q8_0 (8) or Q4_1 (4: half the bytes and, on AVX2 without
+    VNNI, fewer integer ops a product; it changes which tokens are proposed, never which are
+    emitted).
 
     The native build rotates adjacent pairs: a NeoX drafter's q/k rows (and q/k norm weights)
     are reordered to pairs here (neox_to_pairs), the same rotation. A drafter without a
@@ -62,10 +68,13 @@ def native_drafter(module: ModuleType, model: DraftModel, positions: int):
     else:
         conf_w = f32(model.confidence.weight).flatten()
         conf_b = float(model.confidence.bias.detach())
+    if head_bits not in HEAD_QUANTS:
+        raise ValueError(f"head_bits must be one of {sorted(HEAD_QUANTS)}, not {head_bits}")
+    head = pack_blocks(module, [HEAD_QUANTS[head_bits](model.head)])
     out = module.Drafter(
         c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.block_size, c.norm_eps, cos, sin,
         fc_weights(module, model.fc.weight), f32(model.ctx_norm.weight), f32(model.mask_embedding),
-        f32(model.norm.weight), _q8(module, model.head), f32(model.markov_w1.weight),
+        f32(model.norm.weight), head, f32(model.markov_w1.weight),
         f32(model.markov_w2.weight), conf_w, conf_b, f32(model.temperature))
     for ly in model.layers:
         q, k = pairs(ly.q.weight), pairs(ly.k.weight)

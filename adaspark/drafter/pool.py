@@ -28,11 +28,16 @@ class Conversation:
     turns: tuple[str, ...]
     tools: tuple | None = None  # JSON-schema tools, as the chat template takes them
     system: str | None = None
+    # the replies' structure (a request's response_format: grammar.py), None for free text
+    response_format: dict | None = None
 
     @property
     def key(self) -> str:
         """A stable name from the content: a shard's records find their conversation by it."""
-        body = json.dumps([self.source, self.turns, self.tools, self.system], sort_keys=True)
+        fields = [self.source, self.turns, self.tools, self.system]
+        if self.response_format is not None:  # free conversations keep their keys
+            fields.append(self.response_format)
+        body = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def messages(self, turn: int, replies: Sequence[str]) -> list[dict]:
@@ -61,6 +66,21 @@ def conversation(item: dict) -> Conversation:
     tools = item.get("tools")
     return Conversation(str(item.get("source", "?")), tuple(turns),
                         tuple(tools) if tools else None, item.get("system") or None)
+
+
+CALL_SUFFIX = "+call"  # a tool-call conversation's source: its free conversation's and this
+
+
+def tool_calls(pool: Iterable[Conversation]) -> list[Conversation]:
+    """For each conversation with tools, its first turn answered as one call of its tools under
+    a JSON Schema (grammar.tool_call_schema), as a client asking for structured output gets:
+    replies of the form a drafter meets under a schema."""
+    from adaspark.grammar import tool_call_schema
+
+    return [Conversation(c.source + CALL_SUFFIX, c.turns[:1], c.tools, c.system,
+                         {"type": "json_schema", "json_schema": {
+                             "name": "call", "schema": tool_call_schema(c.tools)}})
+            for c in pool if c.tools]
 
 
 def read_pool(paths: Iterable[Path]) -> list[Conversation]:

@@ -97,7 +97,7 @@ class Drafter:
     def __init__(
         self, model: DraftModel, embed: Embed, capacity: int = 1024, dtype=torch.bfloat16,
         shortlist: int = 64, native: ModuleType | None = None, positions: int = 8192,
-        embedding=None,
+        embedding=None, head_bits: int = 8,
     ):
         """dtype: weights and cache at inference on the torch path. At 7 rows every matmul is
         bound by reading its weights, so bf16 (native on AVX512-BF16 CPUs) halves the draft time.
@@ -107,14 +107,15 @@ class Drafter:
         weights (drafter/native.py), positions up to `positions`; None: the torch path.
         embedding: the target's packed embedding table (the native module's QWeight whose rows
         `embed` gives) or None: with it the native draft looks the anchor up itself and
-        returns target ids, no tensor work around the call."""
+        returns target ids, no tensor work around the call.
+        head_bits: the native head's blocks (drafter/native.py), 8 (Q8_0) or 4 (Q4_1)."""
         self.shortlist = shortlist
         self.native = None
         if native is not None:
             from adaspark.drafter.native import native_drafter
 
             try:
-                self.native = native_drafter(native, model, positions)
+                self.native = native_drafter(native, model, positions, head_bits)
                 dtype = torch.float32  # what stays in torch (ids, embeddings) is float32
                 # target id <-> draft index as numpy, so a round's lookups are no torch ops
                 self._draft_ids = model.draft_ids.numpy()

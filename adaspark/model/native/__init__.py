@@ -95,6 +95,20 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
     return 8, (q + 128).astype(np.uint8), d, -128 * d
 
 
+def quantize_q4_1(w: torch.Tensor) -> Blocks:
+    """A float [n, k] weight as Q4_1 (ggml's: per block of 32, m = min(w) and d = (max - min)/15
+    in fp16, w ~ d*u + m with u = round((w - m)/d) in 0..15), in unsigned_blocks' form."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"a weight of {k} inputs is not whole blocks of {GROUP}")
+    x = w.detach().float().cpu().numpy().reshape(n, k // GROUP, GROUP)
+    lo = x.min(-1).astype(np.float16).astype(np.float32)
+    d = ((x.max(-1) - lo) / 15).astype(np.float16).astype(np.float32)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    u = np.clip(np.rint((x - lo[..., None]) * inv[..., None]), 0, 15)
+    return 4, u.astype(np.uint8), d, lo
+
+
 def as_rows(t: GGUFTensor) -> GGUFTensor:
     """A 3-D expert tensor [experts, rows, inputs] as one matrix [experts * rows, inputs] (a
     view of its blocks): packed whole, each expert's rows are then a slice of the packed

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/draft_profile.py [--model PATH] [--context 512] [--accepted 3]
                                                  [--reps 200] [--threads 2] [--no-verify]
-                                                 [--json]
+                                                 [--drafter DIR] [--head-bits 8|4] [--json]
 
 A round as the engine runs it after `context` committed tokens: an 8-row target verify
 (untimed; it leaves the target's weights in the caches, as a real round does), observe() the
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from adaspark.drafter.loading import default_drafter_for, load_drafter, target_info
+from adaspark.drafter.runtime import MARKOV_BASIS, markov_bound
 from adaspark.model.sources import resolve_model
 from adaspark.model.transformer import Transformer
 
@@ -83,26 +84,40 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-verify", action="store_true",
                     help="no target verify before each round (the drafter's weights stay warm)")
+    ap.add_argument("--drafter", default=None, help="checkpoint folder (default: the shipped one)")
+    ap.add_argument("--head-bits", type=int, choices=(8, 4), default=8,
+                    help="the native head in Q8_0 (8) or Q4_1 (4) blocks")
+    ap.add_argument("--markov-basis", type=int, default=None,
+                    help="W2 directions the Markov exactness bound computes exactly (default: "
+                         "runtime.MARKOV_BASIS); the picks are the same, the work differs")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     model = Transformer.from_gguf(path, precision="fast",
                                   max_context=args.context + 2 * VERIFY_ROWS)
-    drafter = load_drafter(model, path, default_drafter_for(target_info(model, path)))
+    folder = args.drafter or default_drafter_for(target_info(model, path))
+    drafter = load_drafter(model, path, folder, head_bits=args.head_bits)
     if drafter.native is None:
         raise SystemExit(f"no native drafter here: {model.native_note}")
+    if args.markov_basis is not None:
+        drafter.native.set_markov_bound(*markov_bound(drafter.model.markov_w2.weight,
+                                                      args.markov_basis))
     samples = rounds(model, drafter, args.context, args.accepted, args.reps, not args.no_verify)
     med = {k: round(statistics.median(v), 4) for k, v in samples.items()}
     phases = [k for k in med if not k.startswith(("py ", "native "))]
     result = {"isa": model.native_module.ISA, "threads": torch.get_num_threads(),
+              "drafter": str(args.drafter or "shipped"), "head_bits": args.head_bits,
+              "markov_basis": args.markov_basis or MARKOV_BASIS,
               "context": args.context, "accepted": args.accepted,
               "verify_between": not args.no_verify, "median_ms": med,
               "draft_phases_sum_ms": round(sum(med[k] for k in phases), 4)}
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"{result['isa']}, {result['threads']} threads, context {args.context}, "
+    print(f"{result['isa']}, {result['threads']} threads, {result['drafter']} drafter, head "
+          f"Q{'8_0' if args.head_bits == 8 else '4_1'}, Markov basis {result['markov_basis']}, "
+          f"context {args.context}, "
           f"{args.accepted} rows observed a round; median ms of {args.reps} rounds")
     for k, v in med.items():
         print(f"  {k:<28} {v:8.4f}")

@@ -155,6 +155,26 @@ def test_fp16_fc_weights_append_the_float32_ones_bits(module, shipped, fast_mode
     assert torch.equal(half.cache.v[:, :, :n], full.cache.v[:, :, :n])
 
 
+def test_fp16_markov_rows_give_the_float32_ones_bits(module, shipped, monkeypatch):
+    """The shipped W2 is fp16 in the checkpoint: stored as fp16 (half the bytes the Markov
+    pass gathers) the head's picks, candidates and values are the float32 copy's, bit for bit,
+    on logits whose shortlists are rarely exact (many candidates reach the cap pass)."""
+    model, _, _ = shipped
+    assert native_module.half_if_exact(module, model.markov_w2.weight,
+                                       "MARKOV_HALF").dtype == torch.float16
+    half = native_drafter(module, model, POSITIONS)
+    monkeypatch.setattr(native_module, "half_if_exact",
+                        lambda _module, w, _takes: w.detach().float().contiguous())
+    full = native_drafter(module, model, POSITIONS)
+    torch.manual_seed(3)
+    B, V = model.c.block_size, model.c.draft_vocab_size
+    for _ in range(4):
+        hidden, logits = torch.randn(B, model.c.dim), torch.randn(B, V) * 0.5
+        got, want = half.markov(hidden, logits, 17, 64, 8), full.markov(hidden, logits, 17, 64, 8)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_appending_in_chunks_of_every_size_equals_one_batch(module, shipped, fast_model):
     """fc takes a call's rows 4 at a time and the rest 3, 2 or 1 together: each size gives
     every row the same bits."""

@@ -8,7 +8,9 @@ not depend on its neighbours). Replies go to reply shards (replies.py), a shard 
 
 Conversations (pool.py) run turn by turn: when turn t's reply ends, turn t+1's prompt is built
 from it (the reply's text, as a client would send it back) and runs next, usually in the slot
-that still holds turn t, so only the new turn prefills.
+that still holds turn t, so only the new turn prefills. A conversation with a response_format
+(pool.tool_calls: a call of its tools under a JSON Schema) decodes under that grammar, and its
+reply is another reply than the free one to the same prompt (prompt_digest).
 
 Resumable: the replies already in the output directory are done. A run continues each
 conversation at its first missing turn (earlier turns' replies read back from the shards) and

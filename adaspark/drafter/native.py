@@ -28,14 +28,20 @@ def _q8(module: ModuleType, *weights: torch.Tensor):
     return pack_blocks(module, [quantize_q8_0(w) for w in weights])
 
 
-def fc_weights(module: ModuleType, weight: torch.Tensor) -> torch.Tensor:
-    """fc's weights for the native append: fp16 where every weight is exactly one (the shipped
-    checkpoint's are: it reads half the bytes and computes the same float32 values) and the
-    build takes them (FC_HALF; benchmarks/native_ab.py loads older builds), else float32."""
+def half_if_exact(module: ModuleType, weight: torch.Tensor, takes: str) -> torch.Tensor:
+    """Weights for the native drafter: fp16 where every weight is exactly one (an exported
+    checkpoint's are: half the bytes read, the same float32 values computed) and the build
+    takes them (its attribute `takes`; benchmarks/native_ab.py loads older builds), else
+    float32."""
     w = weight.detach().float().contiguous()
     half = w.half()
-    exact = getattr(module, "FC_HALF", False) and torch.equal(half.float(), w)
+    exact = getattr(module, takes, False) and torch.equal(half.float(), w)
     return half if exact else w
+
+
+def fc_weights(module: ModuleType, weight: torch.Tensor) -> torch.Tensor:
+    """fc's weights for the native append (FC_HALF builds take fp16)."""
+    return half_if_exact(module, weight, "FC_HALF")
 
 
 def _unit_scale(w: torch.Tensor) -> float:
@@ -75,7 +81,8 @@ def native_drafter(module: ModuleType, model: DraftModel, positions: int, head_b
         c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.block_size, c.norm_eps, cos, sin,
         fc_weights(module, model.fc.weight), f32(model.ctx_norm.weight), f32(model.mask_embedding),
         f32(model.norm.weight), head, f32(model.markov_w1.weight),
-        f32(model.markov_w2.weight), conf_w, conf_b, f32(model.temperature))
+        half_if_exact(module, model.markov_w2.weight, "MARKOV_HALF"), conf_w, conf_b,
+        f32(model.temperature))
     for ly in model.layers:
         q, k = pairs(ly.q.weight), pairs(ly.k.weight)
         norms = {}

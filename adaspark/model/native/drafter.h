@@ -148,54 +148,37 @@ inline void shortlist_of(const float* x, int64_t n, int64_t s, std::vector<int64
   out.assign(cand.begin(), cand.begin() + s);
 }
 
-// 8 floats a[0..7][i0 + k] for k = 0..7 (8 rows of a matrix, 8 columns from i0) as t[k]: the
-// standard 8 x 8 transpose.
-inline void transpose8(const float* const* a, int64_t i0, __m256 t[8]) {
-  __m256 r[8], u[8];
-  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(a[j] + i0);
-  for (int j = 0; j < 8; j += 2) {
-    u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-    u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-  }
-  for (int j = 0; j < 8; j += 4) {
-    r[j] = _mm256_shuffle_ps(u[j], u[j + 2], 0x44);
-    r[j + 1] = _mm256_shuffle_ps(u[j], u[j + 2], 0xEE);
-    r[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0x44);
-    r[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
-    t[j + 4] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
-  }
-}
-
-// out[j] = sum over i in order of a_j[i] * e[i], each product rounded, then added (a plain
-// loop's float steps, which gcc keeps unfused here): 8 rows a pass, one row a lane, so 8 sums
-// run side by side instead of one chain of r dependent adds each. r a multiple of 8.
-inline void ordered_dots(const float* const* a, int64_t rows, const float* e, int64_t r,
-                         float* out) {
+// out[j] = w_{idx[j]} . e (rows of r weights, r a multiple of 2W, float32 or fp16 as stored:
+// the same values): two accumulators of W lanes a row, fused multiply-adds, 4 rows side by
+// side (the rows are gathered candidates: their loads, not the arithmetic, set the pace). Not
+// a plain loop's float steps: the caps that choose the rows allow any order's rounding (an
+// r-term dot: r 2^-24 of |w_j| |e|).
+template <class Wt>
+inline void fused_dots(const Wt* w, const int64_t* idx, int64_t rows, const float* e, int64_t r,
+                       float* out) {
   int64_t j0 = 0;
-  for (; j0 + 8 <= rows; j0 += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i0 = 0; i0 < r; i0 += 8) {
-      __m256 t[8];
-      transpose8(a + j0, i0, t);
-      for (int k = 0; k < 8; ++k) {
-        __m256 p = _mm256_mul_ps(t[k], _mm256_set1_ps(e[i0 + k]));
-        asm("" : "+x"(p));  // rounded on its own: no fused multiply-add
-        acc = _mm256_add_ps(acc, p);
+  for (; j0 + 4 <= rows; j0 += 4) {
+    const Wt* a[4];
+    for (int k = 0; k < 4; ++k) a[k] = w + idx[j0 + k] * r;
+    vf acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = vzero();
+    for (int64_t i = 0; i < r; i += 2 * W) {
+      const vf e0 = vload(e + i), e1 = vload(e + i + W);
+      for (int k = 0; k < 4; ++k) {
+        acc[2 * k] = vfma(load_weights(a[k] + i), e0, acc[2 * k]);
+        acc[2 * k + 1] = vfma(load_weights(a[k] + i + W), e1, acc[2 * k + 1]);
       }
     }
-    _mm256_storeu_ps(out + j0, acc);
+    for (int k = 0; k < 4; ++k) out[j0 + k] = vsum(vadd(acc[2 * k], acc[2 * k + 1]));
   }
   for (; j0 < rows; ++j0) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < r; ++i) {
-      float p = a[j0][i] * e[i];
-      asm("" : "+x"(p));
-      s += p;
+    const Wt* a = w + idx[j0] * r;
+    vf acc0 = vzero(), acc1 = vzero();
+    for (int64_t i = 0; i < r; i += 2 * W) {
+      acc0 = vfma(load_weights(a + i), vload(e + i), acc0);
+      acc1 = vfma(load_weights(a + i + W), vload(e + i + W), acc1);
     }
-    out[j0] = s;
+    out[j0] = vsum(vadd(acc0, acc1));
   }
 }
 
@@ -213,7 +196,9 @@ class Drafter {
         eps_(static_cast<float>(eps)), cos_(rope_cos.contiguous()), sin_(rope_sin.contiguous()),
         fc_(fc.contiguous()), ctx_norm_(ctx_norm.contiguous()), mask_(mask_embedding.contiguous()),
         out_norm_(out_norm.contiguous()), head_(std::move(head)), w1_(w1.contiguous()),
-        w2_(w2.contiguous()), conf_(confidence.contiguous()),
+        w2_(w2.to(torch::kFloat).contiguous()),
+        w2h_(w2.scalar_type() == torch::kHalf ? w2.contiguous() : torch::Tensor()),
+        conf_(confidence.contiguous()),
         conf_bias_(static_cast<float>(confidence_bias)), temp_(temperature.contiguous()) {
     TORCH_CHECK(attend_takes(head_dim) && dim % W == 0,
                 "head_dim must be 2, 4, 8 or 16 times ", W, " and dim a multiple of ", W);
@@ -493,7 +478,6 @@ class Drafter {
     const float* cw = conf_.data_ptr<float>();
     std::vector<int64_t> order;
     std::vector<float> sv;
-    std::vector<const float*> rows;
     clock_.start();
     // best first, ties to the lower index: one ranking everywhere
     shortlists_.resize(B);
@@ -513,18 +497,25 @@ class Drafter {
       all_.resize(V);
       std::iota(all_.begin(), all_.end(), 0);
     }
-    // sv[j] = lr[cand[j]] + w2[cand[j]].e over candidates cand (a plain loop's float steps)
-    auto biased = [&](const std::vector<int64_t>& cand, const float* lr, const float* e) {
+    // out[j] = lr[cand[j]] + w2[cand[j]].e over candidates cand (fused_dots)
+    const uint16_t* w2h =
+        w2h_.defined() ? reinterpret_cast<const uint16_t*>(w2h_.data_ptr<at::Half>()) : nullptr;
+    auto biased_into = [&](const std::vector<int64_t>& cand, const float* lr, const float* e,
+                           std::vector<float>& out) {
       const int64_t n = static_cast<int64_t>(cand.size());
-      sv.resize(n);
-      if (r % 8 == 0) {
-        rows.resize(n);
-        for (int64_t j = 0; j < n; ++j) rows[j] = w2 + cand[j] * r;
-        ordered_dots(rows.data(), n, e, r, sv.data());
-        for (int64_t j = 0; j < n; ++j) sv[j] = lr[cand[j]] + sv[j];
+      out.resize(n);
+      if (r % (2 * W) == 0) {
+        if (w2h != nullptr)
+          fused_dots(w2h, cand.data(), n, e, r, out.data());
+        else
+          fused_dots(w2, cand.data(), n, e, r, out.data());
+        for (int64_t j = 0; j < n; ++j) out[j] = lr[cand[j]] + out[j];
       } else {
-        for (int64_t j = 0; j < n; ++j) sv[j] = lr[cand[j]] + dot(w2 + cand[j] * r, e, r);
+        for (int64_t j = 0; j < n; ++j) out[j] = lr[cand[j]] + dot(w2 + cand[j] * r, e, r);
       }
+    };
+    auto biased = [&](const std::vector<int64_t>& cand, const float* lr, const float* e) {
+      biased_into(cand, lr, e, sv);
     };
     const int64_t* pick_keys = pick_keys_.defined() ? pick_keys_.data_ptr<int64_t>() : nullptr;
     for (int64_t i = 0; i < B; ++i) {
@@ -566,33 +557,58 @@ class Drafter {
           const float c = static_cast<float>(r + 2 * Kb + 8) * 0x1p-24f;
           in_short_.assign(V, 0);
           for (int64_t j : *cand) in_short_[j] = 1;
-          merged_.assign(cand->begin(), cand->end());
           const float *proj = mb_proj_.data_ptr<float>(), *res = mb_res_.data_ptr<float>(),
                       *nrm = mb_norm_.data_ptr<float>();
-          auto reaches = [&](int64_t j) {
-            if (!in_short_[j]) merged_.push_back(j);
-          };
           const vf vbest = vset1(best), vc = vset1(c), vre = vset1(re), v2cen = vset1(2 * c * en);
-          int64_t j = 0;
-          for (; j + W <= V; j += W) {
-            const vf l = vload(lr + j);
-            vf capv = vfma(vc, vabs(l), l);
-            for (int64_t q = 0; q < Kb; ++q)
-              capv = vfma(vload(proj + q * V + j), vset1(static_cast<float>(pe[q])), capv);
-            capv = vfma(vload(res + j), vre, capv);
-            capv = vfma(vload(nrm + j), v2cen, capv);
-            for (unsigned bits = vge_mask(capv, vbest); bits; bits &= bits - 1)
-              reaches(j + __builtin_ctz(bits));
+          // Part p of the vocabulary, [j0, j1) (j0 a multiple of W): its candidates outside the
+          // shortlist whose cap reaches the best, in order, and their exact biased values. A
+          // trained W2 lets hundreds through a row (the gathers of their W2 rows are most of
+          // the Markov phase), so a large vocabulary's two halves run on two threads; the
+          // candidates and each one's float steps are the same either way.
+          auto scan = [&](int64_t p, int64_t j0, int64_t j1) {
+            std::vector<int64_t>& found = found_[p];
+            found.clear();
+            auto reaches = [&](int64_t j) {
+              if (!in_short_[j]) found.push_back(j);
+            };
+            int64_t j = j0;
+            for (; j + W <= j1; j += W) {
+              const vf l = vload(lr + j);
+              vf capv = vfma(vc, vabs(l), l);
+              for (int64_t q = 0; q < Kb; ++q)
+                capv = vfma(vload(proj + q * V + j), vset1(static_cast<float>(pe[q])), capv);
+              capv = vfma(vload(res + j), vre, capv);
+              capv = vfma(vload(nrm + j), v2cen, capv);
+              for (unsigned bits = vge_mask(capv, vbest); bits; bits &= bits - 1)
+                reaches(j + __builtin_ctz(bits));
+            }
+            for (; j < j1; ++j) {
+              float capj = lr[j] + c * std::abs(lr[j]);
+              for (int64_t q = 0; q < Kb; ++q)
+                capj += proj[q * V + j] * static_cast<float>(pe[q]);
+              capj += res[j] * re + nrm[j] * 2 * c * en;
+              if (capj >= best) reaches(j);
+            }
+            biased_into(found, lr, e, found_v_[p]);
+          };
+          const int64_t split = V >= kSplitMarkovV ? V / 2 / W * W : V;
+          if (split < V) {
+            at::parallel_for(0, 2, 1, [&](int64_t p0, int64_t p1) {
+              for (int64_t p = p0; p < p1; ++p) scan(p, p == 0 ? 0 : split, p == 0 ? split : V);
+            });
+          } else {
+            scan(0, 0, V);
+            found_[1].clear();
+            found_v_[1].clear();
           }
-          for (; j < V; ++j) {
-            float capj = lr[j] + c * std::abs(lr[j]);
-            for (int64_t q = 0; q < Kb; ++q) capj += proj[q * V + j] * static_cast<float>(pe[q]);
-            capj += res[j] * re + nrm[j] * 2 * c * en;
-            if (capj >= best) reaches(j);
-          }
-          if (merged_.size() > cand->size()) {
+          if (!found_[0].empty() || !found_[1].empty()) {
+            // the shortlist (its values in sv already), then the parts' candidates in order
+            merged_.assign(cand->begin(), cand->end());
+            for (int64_t p = 0; p < 2; ++p) {
+              merged_.insert(merged_.end(), found_[p].begin(), found_[p].end());
+              sv.insert(sv.end(), found_v_[p].begin(), found_v_[p].end());
+            }
             cand = &merged_;
-            biased(merged_, lr, e);
           }
         } else if (!(best > cap)) {
           cand = &all_;
@@ -655,6 +671,8 @@ class Drafter {
   torch::Tensor ctx_norm_, mask_, out_norm_;
   QWeight head_;
   torch::Tensor w1_, w2_, conf_;
+  torch::Tensor w2h_;  // W2 as fp16 where the caller passed it so (each weight one): the Markov
+                       // pass gathers half the bytes, the same values
   float conf_bias_;
   torch::Tensor temp_;
   std::vector<DraftLayer> layers_;
@@ -669,6 +687,10 @@ class Drafter {
   std::vector<int64_t> all_;  // 0..V_d-1: every candidate, where a shortlist is not exact
   torch::Tensor mb_basis_, mb_proj_, mb_res_, mb_norm_;  // set_markov_bound()'s
   int64_t mb_k_ = 0;
+  // the Markov cap pass's two vocabulary parts: reaching candidates and their values
+  std::array<std::vector<int64_t>, 2> found_;
+  std::array<std::vector<float>, 2> found_v_;
+  static constexpr int64_t kSplitMarkovV = 4096;  // smaller vocabularies scan on one thread
   std::vector<uint8_t> in_short_;  // the shortlist's members, marked
   std::vector<int64_t> merged_;    // the shortlist and the candidates its bound cannot exclude
   std::optional<QWeight> embedding_;  // set_vocab()'s

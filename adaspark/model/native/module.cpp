@@ -33,6 +33,7 @@ using namespace adaspark;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = kIsa;
   m.attr("FC_HALF") = true;  // Drafter takes fc as float16 (builds before it: float32 only)
+  m.attr("MARKOV_HALF") = true;  // ... and W2 (builds before it: float32 only)
   // use_amx(): whether calls use AMX tiles; use_amx(False/True) turns them off / back on where
   // usable. The avx2 build has no tiles.
   m.def("use_amx", [](std::optional<bool> on) {

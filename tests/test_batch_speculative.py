@@ -20,10 +20,11 @@ import torch
 from test_speculative import make_engine
 from test_worker import gated_worker
 
+from adaspark import speculative
 from adaspark.drafter.loading import load_drafter
 from adaspark.model.tokenizer import Tokenizer
 from adaspark.sampling import SamplingParams
-from adaspark.scheduler.budget import StepPrice
+from adaspark.scheduler.budget import StepPrice, allocate
 from adaspark.scheduler.chooser import BandRate
 from adaspark.server.worker import Job, QueueFull
 from adaspark.speculative import RoundDecode, Speculator
@@ -268,22 +269,37 @@ def test_the_shared_scheduler_learns_from_every_requests_rounds(engine):
 
 
 def held_rate(tokens: float, time_ms: float) -> BandRate:
-    """A long-run rate far past what the step's rounds add to it, so it holds for the test."""
+    """A long-run rate that the step's rounds leave as it is, so it holds for the test."""
     rate = BandRate()
     rate.tokens, rate.time, rate.rounds = tokens, time_ms, 10**6
+    rate.observe = lambda tokens, round_ms: None
     return rate
 
 
-def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_zero(engine):
+def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_zero(
+        engine, monkeypatch):
     caps = (40, 32, 24)
     want = [solo(engine, p, max_tokens=n) for p, n in zip(PROMPTS[:3], caps, strict=True)]
     sched, spec = engine.speculator.scheduler, engine.speculator
     cut, cuts = sched.cut, []
     sched.cut = lambda plan, keep, **kw: cuts.append((plan.rows, keep)) or cut(plan, keep, **kw)
     totals = []  # each shared call: (its step's price table, the rows it verified, its requests)
+    allocations = []  # each shared call's allocate(): (candidates, step_ms, rate, shares)
+
+    def spy_allocate(candidates, step_ms, rate, cap=None):
+        shares = allocate(candidates, step_ms, rate, cap)
+        allocations.append((candidates, step_ms, rate, shares))
+        return shares
+
+    monkeypatch.setattr(speculative, "allocate", spy_allocate)
 
     def share(seqs, rows):
+        before = len(allocations)
         out = spec.share_rows(seqs, rows)
+        if len(allocations) > before:  # each tree verifies the rows of its share
+            candidates, _, _, shares = allocations[-1]
+            assert all(len(o[0]) == 1 + k if k < len(q) else o is r
+                       for o, r, q, k in zip(out, rows, candidates, shares, strict=True))
         if seqs[0].step is not None:
             totals.append((seqs[0].step.prices, sum(len(r[0]) for r in out), len(seqs)))
         return out
@@ -294,6 +310,7 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
         spec.step_rate = held_rate(tokens, time_ms)
         cuts.clear()
         totals.clear()
+        allocations.clear()
         seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
                                         for p, n in zip(PROMPTS[:3], caps, strict=True)])
         assert all(same(engine.result(s), w) for s, w in zip(seqs, want, strict=True))
@@ -308,21 +325,35 @@ def test_the_shared_row_budget_cuts_trees_under_a_high_rate_and_keeps_them_at_ze
         shared = [c for c in calls if len(c) > 1]
         return sum(sum(c) - len(c) for c in shared) / len(shared)
 
+    high_rate = 1e12
     try:
         # tokens per ms that only a free row pays for (the price of the class that holds the
         # plain rows already): every planned tree is cut (beside others a round may also
         # decline to plan one at this rate, so whether a cut happens depends on what the
-        # shared models learned before; fewer rows than at rate zero, below, either way)
-        high, _ = run(1e12, 1.0)
+        # shared models learned before)
+        run(high_rate, 1.0)
         assert all(keep < rows - 1 for rows, keep in cuts)
         # a rate of zero: every planned candidate pays, each request verifies its own plan
         # but for the candidates that would take the call to a total no price allows
         spec.plain_floor = False  # (else the rate is at least the plain step's)
         with planned_rows(sched) as planned:
             zero, priced = run(0.0, 1e12)
-        # (at times the cut trees of the high rate kept as many rows as the priced totals
-        # allow at zero)
-        assert extra_rows(zero) >= extra_rows(high)
+        # each step's allocation against the same step at the high rate (the two runs plan
+        # different trees, as the shared models learn between them: compare on one step's
+        # candidates and prices): the call takes the largest total a price allows, and no
+        # request keeps fewer candidates than the high rate would leave it
+        for candidates, step_ms, rate, shares in allocations:
+            assert rate == 0.0
+            q = np.sort(np.concatenate([np.asarray(c, dtype=np.float64) for c in candidates]))
+            q = q[::-1][q[::-1] > 0.0]  # the useful candidates best-first, as allocate sums them
+            S = np.concatenate([[0.0], np.cumsum(q)])
+            n = len(candidates)
+            largest = max(k for k in range(len(q) + 1) if np.isfinite(step_ms(n + k)))
+            # (candidates past it that add nothing to the float sum may stay out: ties go to
+            # fewer rows)
+            assert sum(shares) <= largest and S[sum(shares)] == S[largest]
+            high = allocate(candidates, step_ms, high_rate)
+            assert all(z >= h for z, h in zip(shares, high, strict=True))
         # where a total past the plain rows had a price and a round planned a tree (the
         # chooser's call on this CPU's costs), some shared call verified tree rows
         if priced and max(planned) > 1:

@@ -145,6 +145,19 @@ def by_width(records: list[dict]) -> list[dict]:
     return sorted(out, key=lambda w: (-w["rounds"], w["rows"]))
 
 
+def by_node_source(records: list[dict]) -> dict | None:
+    """The accepted draft tokens (the bonus not counted) by the source of their tree node, the
+    paper's Table 7: the drafter alone, both (an n-gram candidate the drafter also proposed),
+    the n-gram index alone; shares of their sum. None where no draft token was accepted."""
+    counts = {source: sum(r.get(key) or 0 for r in records) for source, key in
+              (("drafter", "accepted_drafter"), ("agreed", "agreed"),
+               ("ngram", "accepted_ngram"))}
+    accepted = sum(counts.values())
+    if not accepted:
+        return None
+    return {"accepted": accepted, **{k: v / accepted for k, v in counts.items()}}
+
+
 def by_kind(records: list[dict]) -> list[dict]:
     """Rounds grouped by kind (round-log records: plain, drafted, accepted, D, verify,
     commit): each kind's share of the rounds and of their time, committed tokens per round
@@ -266,11 +279,21 @@ def main(argv=None) -> int:
         for k in table:
             print(f"| {arm} | {k['kind']} | {k['rounds']:.1%} | {k['time']:.1%} | "
                   f"{k['tokens_per_round']:.2f} | {k['ms_per_token']:.2f} |")
+    print("\nAccepted draft tokens by their node's source (the paper's Table 7; the bonus "
+          "not counted):\n")
+    print("| arm | accepted draft tokens | drafter-only | both proposed | n-gram-only |")
+    print("|---|---|---|---|---|")
+    sources = {arm: by_node_source(rows) for arm, rows in records.items()}
+    for arm, share in sources.items():
+        if share:
+            print(f"| {arm} | {share['accepted']:,} | {share['drafter']:.1%} | "
+                  f"{share['agreed']:.1%} | {share['ngram']:.1%} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
                                                "accepted_by_drafted_round": depths,
                                                "rounds_by_width": widths,
-                                               "rounds_by_kind": kinds}) + "\n")
+                                               "rounds_by_kind": kinds,
+                                               "accepted_by_node_source": sources}) + "\n")
     return 0
 
 

@@ -58,6 +58,18 @@ def test_rounds_group_by_kind_with_their_time_per_committed_token():
     assert kinds["ngram"]["ms_per_token"] == pytest.approx(1.5)
 
 
+def test_accepted_draft_tokens_split_by_the_source_of_their_node():
+    records = [{"accepted": 3, "accepted_drafter": 2, "agreed": 1, "accepted_ngram": 0},
+               {"accepted": 0, "accepted_drafter": 0, "agreed": 0, "accepted_ngram": 0},
+               {"accepted": 5, "accepted_drafter": 0, "agreed": 0, "accepted_ngram": 5}]
+    got = arms.by_node_source(records)
+    assert got["accepted"] == 8
+    assert (got["drafter"], got["agreed"], got["ngram"]) == pytest.approx((2 / 8, 1 / 8, 5 / 8))
+    # plain rounds only (ar), or a record without the fields: nothing to split
+    assert arms.by_node_source(records[1:2]) is None
+    assert arms.by_node_source([{"accepted": 0}]) is None
+
+
 def _reply(conv: str, tokens: int, seconds: float) -> dict:
     return {"conversation": conv, "decode_tokens": tokens, "decode_s": seconds,
             "draft_rounds": 0, "plain_rounds": tokens, "ngram_rounds": 0, "verified_rows": tokens}

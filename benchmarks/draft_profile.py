@@ -27,6 +27,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from adaspark.drafter import runtime
 from adaspark.drafter.loading import default_drafter_for, load_drafter, target_info
 from adaspark.drafter.runtime import MARKOV_BASIS, markov_bound
 from adaspark.model.sources import resolve_model
@@ -90,6 +91,10 @@ def main() -> None:
     ap.add_argument("--markov-basis", type=int, default=None,
                     help="W2 directions the Markov exactness bound computes exactly (default: "
                          "runtime.MARKOV_BASIS); the picks are the same, the work differs")
+    ap.add_argument("--markov", choices=("table", "bound"), default="table",
+                    help="the Markov head's exact candidates from runtime.markov_table (the "
+                         "default where the vocabulary allows one) or markov_bound's caps "
+                         "(--markov-basis implies it)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -97,6 +102,9 @@ def main() -> None:
     model = Transformer.from_gguf(path, precision="fast",
                                   max_context=args.context + 2 * VERIFY_ROWS)
     folder = args.drafter or default_drafter_for(target_info(model, path))
+    if args.markov == "bound" or args.markov_basis is not None:
+        args.markov = "bound"
+        runtime.TABLE_LIMIT = 0  # no table: the native drafter gets the bound's caps
     drafter = load_drafter(model, path, folder, head_bits=args.head_bits)
     if drafter.native is None:
         raise SystemExit(f"no native drafter here: {model.native_note}")
@@ -108,15 +116,16 @@ def main() -> None:
     phases = [k for k in med if not k.startswith(("py ", "native "))]
     result = {"isa": model.native_module.ISA, "threads": torch.get_num_threads(),
               "drafter": str(args.drafter or "shipped"), "head_bits": args.head_bits,
-              "markov_basis": args.markov_basis or MARKOV_BASIS,
+              "markov": args.markov, "markov_basis": args.markov_basis or MARKOV_BASIS,
               "context": args.context, "accepted": args.accepted,
               "verify_between": not args.no_verify, "median_ms": med,
               "draft_phases_sum_ms": round(sum(med[k] for k in phases), 4)}
     if args.json:
         print(json.dumps(result, indent=1))
         return
+    markov = "table" if args.markov == "table" else f"basis {result['markov_basis']}"
     print(f"{result['isa']}, {result['threads']} threads, {result['drafter']} drafter, head "
-          f"Q{'8_0' if args.head_bits == 8 else '4_1'}, Markov basis {result['markov_basis']}, "
+          f"Q{'8_0' if args.head_bits == 8 else '4_1'}, Markov {markov}, "
           f"context {args.context}, "
           f"{args.accepted} rows observed a round; median ms of {args.reps} rounds")
     for k, v in med.items():

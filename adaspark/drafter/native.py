@@ -101,9 +101,13 @@ def native_drafter(module: ModuleType, model: DraftModel, positions: int, head_b
                       _q8(module, ly.down.weight), **norms)
     if c.markov_keys == "target":
         out.set_markov_keys(model.draft_ids)
-    if hasattr(out, "set_markov_bound"):  # the exact shortlist's per-candidate caps
-        from adaspark.drafter.runtime import markov_bound
+    from adaspark.drafter.runtime import markov_bound, markov_table
 
+    table = markov_table(model.markov_w1.weight, model.markov_w2.weight,
+                         model.draft_ids if c.markov_keys == "target" else None)
+    if table is not None and hasattr(out, "set_markov_table"):  # a row's few candidates
+        out.set_markov_table(*table)
+    elif hasattr(out, "set_markov_bound"):  # the exact shortlist's per-candidate caps
         out.set_markov_bound(*markov_bound(model.markov_w2.weight))
     return out
 

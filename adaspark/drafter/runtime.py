@@ -17,7 +17,9 @@ Invariant: d.length == target.cache.length.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
@@ -144,8 +146,11 @@ class Drafter:
         self._w1 = model.markov_w1.weight.detach().float()
         self._w2 = model.markov_w2.weight.detach().float()
         self._w2_max = float(self._w2.double().norm(dim=1).max())
-        self._bound = markov_bound(self._w2) if self.native is None else None
         self._key_of_pick = model.draft_ids if c.markov_keys == "target" else None
+        self._table = (markov_table(self._w1, self._w2, self._key_of_pick)
+                       if self.native is None else None)
+        self._bound = (markov_bound(self._w2) if self.native is None and self._table is None
+                       else None)
         self._temperature = model.temperature.float()
         if dtype != torch.float32 and model.confidence is not None:
             model.confidence.float()
@@ -270,7 +275,7 @@ class Drafter:
             logits += noise
         chain = markov_chain(logits, self._w1, self._w2, self._w2_max,
                              int(m.markov_key(anchor_t)), self._key_of_pick, self.shortlist,
-                             self.topk, self._bound)
+                             self.topk, self._bound, self._table)
         conf = m.confidence_logit(hidden.float(), chain.prev_emb) / self._temperature
         return DraftBlock(
             picks=m.draft_ids[chain.picks].numpy(),
@@ -311,6 +316,78 @@ def markov_bound(w2: torch.Tensor, k: int = MARKOV_BASIS, chunk: int = 32768) ->
     up = 1 + 2.0**-20  # float32 storage rounds down at most 2^-24: the caps stay caps
     return MarkovBound(basis.float().contiguous(), torch.cat(proj).T.float().contiguous(),
                        (torch.cat(res) * up).float(), (torch.cat(norms) * up).float())
+
+
+MARKOV_HIGH = 64  # per W1 row, the candidates of the largest biases markov_table keeps
+TABLE_LIMIT = 1 << 28  # table rows x V_d: a table at most ~2 s to make on two cores
+
+
+class MarkovTable(NamedTuple):
+    """Per W1 row p that a chain looks up (row = row_of[p], -1 where the table has none), its
+    bias vector W2 W1[p]'s M largest entries' candidates, high [rows, M], and tau [rows], the
+    next largest (rounded up): every other candidate's bias is at most tau, so only candidates
+    whose backbone logit comes within tau of the row's K-th best can still enter its top K. A
+    trained Markov head boosts a few followers of each token: beyond the shortlist and them,
+    few (stage 4 on the evaluation's replies: 66 a row on average, median 0, against 886 that
+    markov_bound's caps let through for the pick alone)."""
+    high: torch.Tensor
+    tau: torch.Tensor
+    row_of: torch.Tensor
+
+
+def markov_table(w1: torch.Tensor, w2: torch.Tensor, key_of_pick: torch.Tensor | None = None,
+                 m: int = MARKOV_HIGH, chunk: int = 1024) -> MarkovTable | None:
+    """The table of W1 [keys, r] and W2 [V_d, r] (float32 products, as a candidate's bias is
+    computed; the chain's slack covers their rounding) over the W1 rows a pick can key
+    (key_of_pick [V_d], a target-keyed head's; None: every row), or None where those rows x
+    V_d pass TABLE_LIMIT (markov_bound's caps serve it) or V_d <= m. A row outside the table
+    (a target-keyed head's first row, keyed by an anchor outside the draft vocabulary) takes
+    every candidate."""
+    w1, w2 = w1.detach().float().contiguous(), w2.detach().float().contiguous()
+    keys, V = len(w1), len(w2)
+    rows = (torch.arange(keys) if key_of_pick is None
+            else torch.unique(key_of_pick.long().clamp(0, keys - 1)))
+    if len(rows) * V > TABLE_LIMIT or V <= m:
+        return None
+    digest = hashlib.blake2b(w1.numpy().tobytes(), digest_size=16)
+    digest.update(w2.numpy().tobytes())
+    digest.update(rows.numpy().tobytes())
+    key = (digest.hexdigest(), m)
+    if key not in _TABLES:  # a server's slots and the tests load the same weights again
+        if len(_TABLES) >= 4:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = _make_table(w1, w2, rows, m, chunk)
+    return _TABLES[key]
+
+
+_TABLES: dict[tuple[str, int], MarkovTable] = {}  # the tables made, by their weights' digest
+
+
+def _make_table(w1: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, m: int,
+                chunk: int) -> MarkovTable:
+    high = torch.empty(len(rows), m, dtype=torch.int32)
+    tau = torch.empty(len(rows))
+    for i in range(0, len(rows), chunk):
+        vals, idx = torch.topk(w1[rows[i:i + chunk]] @ w2.T, m + 1, dim=1)
+        high[i:i + chunk] = idx[:, :m].to(torch.int32)
+        tau[i:i + chunk] = vals[:, m]
+    row_of = torch.full((len(w1),), -1, dtype=torch.int32)
+    row_of[rows] = torch.arange(len(rows), dtype=torch.int32)
+    up = 2.0**-20  # float32 rounding of the stored value: tau stays an upper bound
+    return MarkovTable(high.contiguous(), (tau + up * tau.abs()).contiguous(), row_of)
+
+
+def table_threshold(kth: float, tau: float, w2_max: float, e_norm: float, rank: int) -> float:
+    """The least backbone logit l_j (as l_j + 2^-22 |l_j|) with which a candidate outside the
+    shortlist and its key's high set can still reach `kth`, the K-th best biased value among
+    them (so the top K of the whole vocabulary is among the candidates, not only the pick):
+    its bias is at most tau plus the rounding of the table's r-term products and of the
+    chain's own ((r + 8) 2^-24 |w2_j||e| each), and one add's rounding (2^-22 of the
+    magnitudes, generous). -inf where fewer than K candidates give a K-th."""
+    if kth == -math.inf:
+        return kth
+    slack = 2 * (rank + 8) * 2.0**-24 * w2_max * e_norm
+    return kth - tau - slack - 2.0**-22 * (abs(kth) + abs(tau) + slack)
 
 
 def _reaching(logits_row: torch.Tensor, e: torch.Tensor, bound: MarkovBound, best: float
@@ -358,14 +435,18 @@ def shortlist_is_exact(best: float, last_short: float, w2_max: float, e_norm: fl
 
 def markov_chain(logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w2_max: float,
                  first_key: int, key_of_pick: torch.Tensor | None, shortlist: int,
-                 topk: int, bound: MarkovBound | None = None) -> Chain:
+                 topk: int, bound: MarkovBound | None = None,
+                 table: MarkovTable | None = None) -> Chain:
     """The Markov head along the picks: row i's logits plus W2 W1[previous], its pick the exact
     argmax over the whole draft vocabulary (ties to the lower index), as the peers compute it.
     The bias is applied to each row's `shortlist` best backbone candidates only (seven
     [V_d x r] matvecs cost a quarter of the draft on this CPU) where shortlist_is_exact proves
     no other candidate can win; else, with `bound`, to the shortlist and every candidate whose
     cap (_reaching: exact along W2's top directions, Cauchy-Schwarz on the rest) reaches the
-    shortlist's best (the shipped drafter: some 100 of 8192), else to every candidate.
+    shortlist's best (the shipped drafter: some 100 of 8192), else to every candidate. With
+    `table` (markov_table), each row's candidates are the shortlist, its previous pick's high
+    set and every other candidate whose backbone logit reaches table_threshold: the top K of
+    the whole vocabulary, siblings included.
     first_key: W1's row of the anchor; key_of_pick: W1's row of each draft index (None: the
     index itself)."""
     B, V = logits.shape
@@ -381,7 +462,23 @@ def markov_chain(logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w2_ma
         e = w1[prev]
         prev_emb[i] = e
         cand, vals = short_i[i], short_v[i] + w2[short_i[i]] @ e
-        if S < V and not shortlist_is_exact(float(vals.max()), float(short_v[i, -1]), w2_max,
+        if table is not None and int(table.row_of[prev]) < 0:  # a row the table lacks
+            cand, vals = torch.arange(V), logits[i] + w2 @ e
+        elif table is not None:
+            t = int(table.row_of[prev])
+            high = table.high[t].long()
+            cand = torch.cat([cand, high[~torch.isin(high, cand)]])
+            vals = logits[i, cand] + w2[cand] @ e
+            row = logits[i]
+            kth = float(vals.topk(K).values[-1]) if len(vals) >= K else -math.inf
+            thr = table_threshold(kth, float(table.tau[t]), w2_max,
+                                  float(e.double().norm()) * (1 + 2.0**-20), w1.shape[1])
+            reach = torch.nonzero(row + 2.0**-22 * row.abs() >= thr).flatten()
+            extra = reach[~torch.isin(reach, cand)]
+            if len(extra):
+                cand = torch.cat([cand, extra])
+                vals = torch.cat([vals, logits[i, extra] + w2[extra] @ e])
+        elif S < V and not shortlist_is_exact(float(vals.max()), float(short_v[i, -1]), w2_max,
                                             float(e.norm()), w1.shape[1]):
             if bound is None:
                 cand, vals = torch.arange(V), logits[i] + w2 @ e

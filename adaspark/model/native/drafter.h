@@ -7,8 +7,11 @@
 // confidence head stay float32 (they are small and run along the picks).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
+#include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -254,6 +257,30 @@ class Drafter {
     mb_k_ = K;
   }
 
+  // The Markov table (runtime.markov_table): per W1 row p a chain can look up (its table row
+  // row_of[p], -1: none), high [rows, M] int32, the candidates of its bias vector's M largest
+  // entries, and tau [rows] the next largest (rounded up). With it a row's candidates are the
+  // shortlist, its previous pick's high set and those whose backbone logit reaches the
+  // threshold below (runtime.table_threshold), or every candidate where the table has no row;
+  // markov_bound's caps are not used.
+  void set_markov_table(torch::Tensor high, torch::Tensor tau, torch::Tensor row_of) {
+    const int64_t keys = w1_.size(0), V = head_.n;
+    TORCH_CHECK(high.scalar_type() == torch::kInt && high.dim() == 2 && high.size(1) >= 1 &&
+                    tau.scalar_type() == torch::kFloat && tau.numel() == high.size(0) &&
+                    row_of.scalar_type() == torch::kInt && row_of.numel() == keys,
+                "high must be int32 [rows, M], tau float32 [rows] and row_of int32 [keys]");
+    const int32_t* h = high.data_ptr<int32_t>();
+    for (int64_t i = 0; i < high.numel(); ++i)
+      TORCH_CHECK(h[i] >= 0 && h[i] < V, "a high-set candidate is out of the draft vocabulary");
+    const int32_t* ro = row_of.data_ptr<int32_t>();
+    for (int64_t i = 0; i < keys; ++i)
+      TORCH_CHECK(ro[i] >= -1 && ro[i] < high.size(0), "a table row is out of range");
+    mt_high_ = high.contiguous();
+    mt_tau_ = tau.contiguous();
+    mt_row_of_ = row_of.contiguous();
+    mt_m_ = high.size(1);
+  }
+
   // The Markov head's W1 rows when it is keyed by target id (the peers' form): pick_keys [V_d]
   // the row of each draft index (its target id), and draft_token() keys the anchor by its id.
   void set_markov_keys(torch::Tensor pick_keys) {
@@ -457,6 +484,77 @@ class Drafter {
 
  public:
 
+  // out[j] = lr[cand[j]] + w2[cand[j]].e over candidates cand (fused_dots)
+  void biased_into_(const std::vector<int64_t>& cand, const float* lr, const float* e,
+                    std::vector<float>& out) const {
+    const int64_t n = static_cast<int64_t>(cand.size()), r = w1_.size(1);
+    out.resize(n);
+    if (r % (2 * W) == 0) {
+      if (w2h_.defined())
+        fused_dots(reinterpret_cast<const uint16_t*>(w2h_.data_ptr<at::Half>()), cand.data(), n,
+                   e, r, out.data());
+      else
+        fused_dots(w2_.data_ptr<float>(), cand.data(), n, e, r, out.data());
+      for (int64_t j = 0; j < n; ++j) out[j] = lr[cand[j]] + out[j];
+    } else {
+      const float* w2 = w2_.data_ptr<float>();
+      for (int64_t j = 0; j < n; ++j) out[j] = lr[cand[j]] + dot(w2 + cand[j] * r, e, r);
+    }
+  }
+
+  // A row's candidates under the Markov table: the shortlist `cand` (values in sv), then its
+  // previous pick's high set, then every other candidate whose backbone logit l reaches the
+  // threshold of the K-th best so far (l + 2^-22 |l| >= it), in index order, each biased
+  // exactly; into merged_ and sv (runtime.markov_chain's order, so both paths rank the same
+  // list): the top K of the whole vocabulary is among them.
+  void table_candidates(const std::vector<int64_t>& cand, const float* lr, const float* e,
+                        int64_t row, int64_t K, std::vector<float>& sv) {
+    const int64_t V = head_.n, r = w1_.size(1), M = mt_m_;
+    if (static_cast<int64_t>(in_short_.size()) != V) in_short_.assign(V, 0);
+    merged_.assign(cand.begin(), cand.end());
+    for (int64_t j : cand) in_short_[j] = 1;
+    const int32_t* high = mt_high_.data_ptr<int32_t>() + row * M;
+    extra_.clear();
+    for (int64_t q = 0; q < M; ++q)
+      if (!in_short_[high[q]]) {
+        in_short_[high[q]] = 1;
+        extra_.push_back(high[q]);
+      }
+    auto append = [&]() {
+      biased_into_(extra_, lr, e, extra_v_);
+      merged_.insert(merged_.end(), extra_.begin(), extra_.end());
+      sv.insert(sv.end(), extra_v_.begin(), extra_v_.end());
+    };
+    append();
+    double e2 = 0.0;
+    for (int64_t k = 0; k < r; ++k) e2 += double(e[k]) * e[k];
+    const double en = std::sqrt(e2) * (1 + 0x1p-20), tau = mt_tau_.data_ptr<float>()[row];
+    // the K-th best so far: every candidate that can enter the top K reaches the threshold
+    float thr = -std::numeric_limits<float>::infinity();
+    if (static_cast<int64_t>(sv.size()) >= K) {
+      kth_.assign(sv.begin(), sv.end());
+      std::nth_element(kth_.begin(), kth_.begin() + (K - 1), kth_.end(), std::greater<float>());
+      const double kth = kth_[K - 1];
+      const double slack = 2.0 * (r + 8) * 0x1p-24 * w2_max_ * en;
+      thr = static_cast<float>(kth - tau - slack -
+                               0x1p-22 * (std::abs(kth) + std::abs(tau) + slack));
+    }
+    extra_.clear();
+    const vf vthr = vset1(thr), vk = vset1(0x1p-22f);
+    int64_t j = 0;
+    for (; j + W <= V; j += W) {
+      const vf l = vload(lr + j);
+      for (unsigned bits = vge_mask(vfma(vk, vabs(l), l), vthr); bits; bits &= bits - 1) {
+        const int64_t c = j + __builtin_ctz(bits);
+        if (!in_short_[c]) extra_.push_back(c);
+      }
+    }
+    for (; j < V; ++j)
+      if (lr[j] + 0x1p-22f * std::abs(lr[j]) >= thr && !in_short_[j]) extra_.push_back(j);
+    for (int64_t c : merged_) in_short_[c] = 0;  // unmarked for the next row
+    append();
+  }
+
   // The Markov and confidence heads over given backbone rows (draft() and the tests).
   std::vector<torch::Tensor> markov(torch::Tensor hidden, torch::Tensor logits, int64_t prev,
                                     int64_t shortlist, int64_t topk) {
@@ -474,7 +572,6 @@ class Drafter {
     auto top_v = torch::empty({B, K}, torch::kFloat);
     auto conf = torch::empty({B}, torch::kFloat);
     const float* w1 = w1_.data_ptr<float>();
-    const float* w2 = w2_.data_ptr<float>();
     const float* cw = conf_.data_ptr<float>();
     std::vector<int64_t> order;
     std::vector<float> sv;
@@ -497,23 +594,8 @@ class Drafter {
       all_.resize(V);
       std::iota(all_.begin(), all_.end(), 0);
     }
-    // out[j] = lr[cand[j]] + w2[cand[j]].e over candidates cand (fused_dots)
-    const uint16_t* w2h =
-        w2h_.defined() ? reinterpret_cast<const uint16_t*>(w2h_.data_ptr<at::Half>()) : nullptr;
     auto biased_into = [&](const std::vector<int64_t>& cand, const float* lr, const float* e,
-                           std::vector<float>& out) {
-      const int64_t n = static_cast<int64_t>(cand.size());
-      out.resize(n);
-      if (r % (2 * W) == 0) {
-        if (w2h != nullptr)
-          fused_dots(w2h, cand.data(), n, e, r, out.data());
-        else
-          fused_dots(w2, cand.data(), n, e, r, out.data());
-        for (int64_t j = 0; j < n; ++j) out[j] = lr[cand[j]] + out[j];
-      } else {
-        for (int64_t j = 0; j < n; ++j) out[j] = lr[cand[j]] + dot(w2 + cand[j] * r, e, r);
-      }
-    };
+                           std::vector<float>& out) { biased_into_(cand, lr, e, out); };
     auto biased = [&](const std::vector<int64_t>& cand, const float* lr, const float* e) {
       biased_into(cand, lr, e, sv);
     };
@@ -523,7 +605,14 @@ class Drafter {
       const float* e = w1 + prev * r;
       const std::vector<int64_t>* cand = &shortlists_[i].idx;
       biased(*cand, lr, e);
-      if (S < V) {
+      const int32_t row = mt_m_ > 0 ? mt_row_of_.data_ptr<int32_t>()[prev] : -1;
+      if (mt_m_ > 0 && row < 0) {  // a key the table lacks: every candidate
+        cand = &all_;
+        biased(all_, lr, e);
+      } else if (mt_m_ > 0) {
+        table_candidates(*cand, lr, e, row, K, sv);
+        cand = &merged_;
+      } else if (S < V) {
         // Exact or full: an outside candidate has a base logit <= the shortlist's last and a
         // bias <= |w2 row| |e| (Cauchy-Schwarz), plus the float rounding of an r-term dot and
         // an add (generous factors); a best strictly above that cap is the argmax of all V.
@@ -693,6 +782,10 @@ class Drafter {
   static constexpr int64_t kSplitMarkovV = 4096;  // smaller vocabularies scan on one thread
   std::vector<uint8_t> in_short_;  // the shortlist's members, marked
   std::vector<int64_t> merged_;    // the shortlist and the candidates its bound cannot exclude
+  torch::Tensor mt_high_, mt_tau_, mt_row_of_;  // set_markov_table()'s
+  int64_t mt_m_ = 0;
+  std::vector<int64_t> extra_;  // table_candidates()'s high set, then its threshold's
+  std::vector<float> extra_v_, kth_;
   std::optional<QWeight> embedding_;  // set_vocab()'s
   torch::Tensor to_draft_, draft_ids_, anchor_row_;
   struct Shortlist {  // a row's shortlist and its scratch, kept between calls

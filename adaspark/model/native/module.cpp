@@ -113,6 +113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("qk_eps") = -1.0)
       .def("set_markov_keys", &Drafter::set_markov_keys)
       .def("set_markov_bound", &Drafter::set_markov_bound)
+      .def("set_markov_table", &Drafter::set_markov_table)
       .def("append", &Drafter::append, py::call_guard<py::gil_scoped_release>())
       .def("backbone", &Drafter::backbone, py::call_guard<py::gil_scoped_release>())
       .def("markov", &Drafter::markov, py::call_guard<py::gil_scoped_release>())

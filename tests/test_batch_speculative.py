@@ -78,6 +78,19 @@ def solo(engine, prompt, **kw):
     return engine.generate(prompt, **kw)
 
 
+def a_slot_each(engine):
+    """An on_step check for together(): after each step, no two running requests share a slot,
+    and each running request's slot holds its prompt and exactly its committed ids. (A request
+    that ended may hand its slot to a later one: its prompt prefix is worth reusing.)"""
+    def check(step: int) -> None:
+        running = [seq for seq in engine.batch.running if not seq.prefilling]
+        assert len({id(seq.slot) for seq in running}) == len(running)
+        for seq in running:
+            assert seq.slot.kv.length == len(seq.slot.ids)
+            assert seq.slot.ids[:len(seq.prompt)] == seq.prompt
+    return check
+
+
 def together(engine, requests, joins=None, on_step=None):
     """The requests (new_decode kwargs, "messages" for the prompt) in one batch from empty
     slots; request i joins at step joins[i]. Returns their Decodes and each verify call's rows
@@ -187,21 +200,19 @@ def test_greedy_rounds_beside_others_equal_their_solo_runs(engine):
     with planned_rows(engine.speculator.scheduler) as planned:
         seqs, calls = together(engine, [{"messages": p, "max_tokens": n}
                                         for p, n in zip(PROMPTS, caps, strict=True)],
-                               joins=[0, 0, 3, 6])
+                               joins=[0, 0, 3, 6], on_step=a_slot_each(engine))
     got = [engine.result(seq) for seq in seqs]
     assert all(same(g, w) for g, w in zip(got, want, strict=True))
     # they ran side by side: the two of step 0 share its call whatever they accept (a round
     # may take up to 33 tokens, so whether a later one finds them still running varies)
     assert max(len(c) for c in calls) >= 2
-    # a round took >1 token where rounds planned trees (whether they do is the chooser's call
-    # on the costs this CPU taught it: on Zen 5's AVX2 build, where a row is dear, none did)
-    if max(planned) > 1:
+    # a round took >1 token where trees were verified (whether rounds plan them is the
+    # chooser's call on the costs this CPU taught it: on Zen 5's AVX2 build, where a row is
+    # dear, none did; and the shared row budget may cut a planned tree to its plain row)
+    if max(planned) > 1 and any(n > 1 for call in calls for n in call):
         assert max(len(t.emitted) for t in traces) >= 3
         assert sum(g.timings.ngram_rounds for g in got) > 0
         assert sum(g.timings.accepted_tokens for g in got) > 0
-    for seq in seqs:  # every slot holds exactly its request's committed ids
-        assert seq.slot.kv.length == len(seq.slot.ids)
-        assert seq.slot.ids[:len(seq.prompt)] == seq.prompt
 
 
 def test_seeded_sampling_beside_others_equals_its_solo_run(engine):
@@ -484,7 +495,7 @@ def test_drafting_rounds_beside_others_equal_their_solo_runs(drafting):
     rounds = drafted_beside_others(drafting)
     seqs, calls = together(drafting, [{"messages": p, "max_tokens": n}
                                       for p, n in zip(PROMPTS, caps, strict=True)],
-                           joins=[0, 1, 3, 6])
+                           joins=[0, 1, 3, 6], on_step=a_slot_each(drafting))
     got = [drafting.result(seq) for seq in seqs]
     assert all(same(g, w) for g, w in zip(got, want, strict=True))
     # side by side: the first (40 tokens, at most 34 a step) still runs when the second joins
@@ -493,7 +504,6 @@ def test_drafting_rounds_beside_others_equal_their_solo_runs(drafting):
     assert rounds and max(taken for _, taken in rounds) >= 2
     assert sum(g.timings.draft_rounds for g in got) >= len(rounds)
     assert_slots_aligned(drafting)
-    assert all(seq.slot.ids[:len(seq.prompt)] == seq.prompt for seq in seqs)  # a slot each
 
 
 def test_drafting_seeded_sampling_beside_others_equals_its_solo_run(drafting):
@@ -669,12 +679,17 @@ def test_a_request_ending_beside_others_leaves_the_store_to_the_last_one(draftin
     sched, refits = drafting.speculator.scheduler, []
     refit = sched.refit
     monkeypatch.setattr(sched, "refit", lambda: refits.append(1) or refit())
+    saved = []  # the scheduler's state as each save found it
+    update = store.update
+    monkeypatch.setattr(store, "update", lambda *a, **k: saved.append(
+        json.loads(json.dumps(sched.state_dict()))) or update(*a, **k))
     try:
         seqs, _ = together(drafting, [{"messages": p, "max_tokens": n}
                                       for p, n in zip(PROMPTS[:3], (24, 16, 8), strict=True)])
         assert all(seq.finished and seq.error is None for seq in seqs)
-        assert store.saves == 1 and store.load() == json.loads(json.dumps(
-            drafting.speculator.scheduler.state_dict()))
+        # what the last request's end learned, saved (the step's shared verify, which may
+        # teach after it, waits for the next save)
+        assert store.saves == 1 and store.load() == saved[0]
         assert len(refits) == 1  # once, by the last request to end
         solo(drafting, PROMPTS[1], max_tokens=4)  # alone: refit and saved at its end
         assert store.saves == 2 and len(refits) == 2

@@ -368,18 +368,24 @@ def test_a_deepspec_drafter_round_trips_through_llamacpps_format(qwen3, tmp_path
 # --- the shipped drafter through llama.cpp's format ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shipped_export(reference_model, model_path, tmp_path_factory):
+# the shipped drafter (q/k norms, NeoX RoPE) and the one it replaced (interleaved RoPE, no q/k
+# norms: the export's pair-to-NeoX rows and identity norms), both loadable
+OLD_DRAFTER = Path(__file__).resolve().parents[1] / "data" / "drafter" / "stages" / "shipped-v1"
+
+
+@pytest.fixture(scope="module", params=[DEFAULT_DRAFTER, OLD_DRAFTER], ids=["shipped", "old"])
+def shipped_export(request, reference_model, model_path, tmp_path_factory):
     info = target_info(reference_model, model_path)
-    model = load_model(reference_model, info, DEFAULT_DRAFTER)
+    model = load_model(reference_model, info, request.param)
     out = export_gguf(model, model_path, tmp_path_factory.mktemp("export") / "drafter.gguf")
     return model, out
 
 
 def test_the_exported_shipped_drafter_drafts_as_the_shipped_one(shipped_export, reference_model,
                                                                 model_path):
-    """Our shipped drafter (interleaved RoPE, no q/k norms, a learned mask vector, W1 by draft
-    index) written as llama.cpp's and read back: the numpy transcription of llama.cpp's forward
+    """Our shipped drafter (q/k norms, NeoX RoPE) and the one it replaced (interleaved RoPE, no
+    q/k norms), each with a learned mask vector and W1 by draft index, written as llama.cpp's
+    and read back: the numpy transcription of llama.cpp's forward
     over the file's tensors and our runtime over the read-back model both give the shipped
     drafter's chain, and their logits agree within float32's error."""
     model, out = shipped_export

@@ -105,6 +105,11 @@ class Batch:
         self.after_verify: Callable[[list[Decode], Step], None] | None = None
 
     @property
+    def _sorted_taps(self) -> tuple[int, ...]:
+        """The order of ForwardOut.tap_rows: the tap layers ascending, each once."""
+        return tuple(sorted(set(self.tap_layers)))
+
+    @property
     def full(self) -> bool:
         return len(self.running) >= self.max_slots
 
@@ -309,12 +314,17 @@ class Batch:
             return [seq for one, row in zip(live, rows, strict=True)  # find who fails
                     for seq in self._verify([one], [row])]
         step = Step(time.perf_counter() - start, sum(len(r[0]) for r in rows), len(live))
-        # once a step, not once a request: the picks as numpy; the taps stacked [rows, taps,
-        # dim] in tap_layers' order (a copy: the target may reuse its buffers), each request's
-        # rows a view of them (Drafter.observe_taps)
+        # once a step, not once a request: the picks as numpy; the taps [rows, taps, dim] in
+        # tap_layers' order (a copy where the forward gave them layer by layer: the target may
+        # reuse its buffers), each request's rows a view of them (Drafter.observe_taps)
         argmax = out.argmax.cpu().numpy()
-        taps = torch.stack([out.hiddens[layer] for layer in self.tap_layers], -2
-                           ) if self.tap_layers else None
+        taps = None
+        if not self.tap_layers:
+            pass
+        elif out.tap_rows is not None and self.tap_layers == self._sorted_taps:
+            taps = out.tap_rows  # the forward's own tensor, made for this call: no copy
+        else:
+            taps = torch.stack([out.hiddens[layer] for layer in self.tap_layers], -2)
         failed, at = [], 0
         for seq, row in zip(live, rows, strict=True):
             n, at = len(row[0]), at + len(row[0])

@@ -211,14 +211,15 @@ class RoundDecode(Decode):
             # a one-row round's taps are its kept row's: all of them, without an index
             self.slot.drafter.observe_taps(taps, rows=None if plan.rows == 1 else rows)
         commit_s = time.perf_counter() - commit
-        self.slot.commit(plan.tokens[rows])
+        tokens = plan.tokens
+        self.slot.commit([tokens[row] for row in rows])  # the path's few rows
         alone = step is None or step.sequences == 1
         verify_s = (0.0 if step is None else step.verify_s) + walk - start
         learn_start = time.perf_counter()
         record = sched.learn(outcome, RoundTimes(self._plan_s, verify_s, walk_s + commit_s),
                              last_round=done, request=self.request, cost=alone)
-        self.spec.report(record, RoundTrace(plan, picks, outcome, list(rows), emitted),
-                         self.timing, self.request_id)
+        self.spec.report(record, plan, len(emitted), self.timing, self.request_id,
+                         lambda: RoundTrace(plan, picks, outcome, list(rows), emitted))
         end = time.perf_counter()
         if self.step is not None and not self.first_round:  # priced beside others
             # what a draft adds to the step: its plan and its learn (a tree's learning costs
@@ -406,18 +407,20 @@ class Speculator:
             self.step_rate.observe(sum(seq.step_tokens for seq in rounds),
                                    1000.0 * (step.verify_s + sum(s.step_s for s in rounds)))
 
-    def report(self, record: RoundRecord, trace: RoundTrace, timing: Timing,
-               request_id: str | None) -> None:
-        """A round's record to the request's timing, the round log, the observers and the hook."""
+    def report(self, record: RoundRecord, plan: Plan, emitted: int, timing: Timing,
+               request_id: str | None, trace: Callable[[], RoundTrace]) -> None:
+        """A round's record to the request's timing (`emitted`: the tokens the reply took), the
+        round log, the observers and the hook (trace() makes what it reads: most rounds have
+        no hook)."""
         record.arm, record.request = self.arm, request_id
-        timing.count_round(record, len(trace.emitted))
+        timing.count_round(record, emitted)
         if self.round_log_path is not None or self.observers:  # the JSON row has readers
             row = record.to_json()
             self._write(row)
             for observe in self.observers:
-                observe(row, trace.plan)
+                observe(row, plan)
         if self.round_hook is not None:
-            self.round_hook(trace)
+            self.round_hook(trace())
 
     def draft_noise(self, drafter: Any, sampler: Sampler | None, start: int):
         """The request's noise at the block's positions (the anchor at `start`) over the draft

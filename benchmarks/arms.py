@@ -3,8 +3,9 @@
 The short subset (the default) is the first two turns of the first conversation of each source
 in the evaluation file; `--subset first-turns` is the first turn of every conversation. Every
 arm decodes every conversation turn by turn (its own replies as history, so turn 2 reuses the
-cached prefix), and the arms take turns run by run (A B A B ...), so a
-machine that speeds up or slows down during the benchmark affects every arm alike. Each arm
+cached prefix), and the arms take turns conversation by conversation within each run (A B C,
+then B C A on the next conversation, ...: `interleaved`), so a machine that speeds up or slows
+down during the benchmark, even within a run, affects every arm alike. Each arm
 keeps one engine (drafter, scheduler) over all its runs, starting from an empty learned store,
 as the paper's arms do; all arms share one loaded target.
 
@@ -98,6 +99,19 @@ def run_conversation(engine: Engine, conv, max_tokens: int, args=None) -> list[d
         messages.append({"role": "assistant", "content": gen.text})
         replies.append({"conversation": conv.key, "turn": turn, "tokens": gen.token_ids,
                         "finish": gen.finish_reason, **gen.timings.as_dict()})
+    return replies
+
+
+def interleaved(convs: list, arms: list[str], run_one) -> dict[str, list[dict]]:
+    """One run: every arm decodes every conversation (run_one(arm, conv) -> its replies), the
+    arms taking turns per conversation, the first arm rotating (A B C, B C A, C A B, ...), so
+    drift lands on every arm alike and none always follows the same one. Replies per arm, in
+    conversation order."""
+    replies: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for i, conv in enumerate(convs):
+        shift = i % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            replies[arm] += run_one(arm, conv)
     return replies
 
 
@@ -224,14 +238,15 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()}, temperature {args.temperature}", file=sys.stderr)
     results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
     for run in range(args.runs):
-        for arm, engine in engines.items():
-            start = time.perf_counter()
-            replies = [r for conv in subset
-                       for r in run_conversation(engine, conv, args.max_tokens, args)]
-            results[arm].append(replies)
-            s = summary(replies)
-            print(f"run {run + 1} {arm:>12}: {s['tok_s']:6.1f} tok/s over {s['tokens']} tokens "
-                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        start = time.perf_counter()
+        replies = interleaved(subset, arms, lambda arm, conv: run_conversation(
+            engines[arm], conv, args.max_tokens, args))
+        for arm in arms:
+            results[arm].append(replies[arm])
+            s = summary(replies[arm])
+            print(f"run {run + 1} {arm:>12}: {s['tok_s']:6.1f} tok/s over {s['tokens']} tokens",
+                  file=sys.stderr)
+        print(f"run {run + 1}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     base = "ar" if "ar" in arms else arms[0]
     speeds = {arm: [summary(run)["tok_s"] for run in runs] for arm, runs in results.items()}

@@ -53,6 +53,14 @@ N waits for a slot, as in service.
 instead of file order, so that every stretch of the run, and every --requests prefix, mixes the
 sources' prompt lengths (the file groups them: LongBench's long documents come last).
 
+--interleave measures one client with the arms side by side: every arm's server up at once, each
+request sent to every arm in turn, the first arm rotating, so the machine's drift over the run
+lands on every arm alike; per arm its aggregate over the seconds its own requests took, and its
+per-request speed over the first arm's (geometric mean). Issue 41's short-reply bar:
+
+    .venv/bin/python benchmarks/concurrency.py --arms ar,adaspark+gate --clients 1 \\
+        --requests 24 --short 500 --cap 64 --interleave
+
 The arm `llama-server` runs llama.cpp's own server (built once by benchmarks/llama_server.py
 from the sources vs_llamacpp.py builds: `--parallel P`, continuous batching, the same GGUF and
 threads) through the same clients, so the two engines are measured side by side in one run.
@@ -61,7 +69,9 @@ threads) through the same clients, so the two engines are measured side by side 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import queue
 import random
@@ -124,7 +134,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     p.add_argument("--mixed", type=int, default=0, metavar="M",
                    help="then M mixed requests (streamed, not, cancelled, malformed)")
+    p.add_argument("--interleave", action="store_true",
+                   help="one client; every arm's server up at once, each request sent to "
+                        "every arm in turn (see interleaved_pass)")
     args = p.parse_args(argv)
+    if args.interleave and (args.arrivals == "poisson" or args.mixed
+                            or (args.clients or "1") != "1"):
+        p.error("--interleave runs one client (--clients 1) in closed loop, without --mixed")
     if args.arrivals == "poisson":
         if args.concurrency is None or args.concurrency < 1:
             p.error("--arrivals poisson needs --concurrency N, N at least 1")
@@ -260,8 +276,69 @@ def make_server(arm: str, parallel: int, args, out_dir: Path):
 
         return LlamaServer(resolve_model(args.model), log, parallel, args.threads)
     extra = ["--parallel", str(parallel)] + (["--model", str(args.model)] if args.model else [])
-    return LocalServer(arm, log, out_dir / "store", fresh=True, round_log=None,
-                       extra_args=extra)
+    return LocalServer(arm, log, out_dir / f"store-{arm.replace(',', '+')}", fresh=True,
+                       round_log=None, extra_args=extra)
+
+
+def interleaved_pass(chats: dict, requests: list, cap: int
+                     ) -> tuple[dict[str, list[StreamedReply | None]], dict[str, float]]:
+    """--interleave: each request to every arm's server in turn (chats: arm -> ChatClient), the
+    first arm rotating (A B, B A, ...), one at a time, so the machine's drift lands on every
+    arm alike (the arms' passes one after another put tens of seconds between them, and a
+    shared machine drifts by more than the arms differ). Per arm: its replies (None: failed)
+    and the seconds its requests took, first byte to last, its wall for the aggregate."""
+    arms = list(chats)
+    replies = {arm: [None] * len(requests) for arm in arms}
+    seconds = dict.fromkeys(arms, 0.0)
+    for i, (messages, tools) in enumerate(requests):
+        shift = i % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            start = time.perf_counter()
+            try:
+                replies[arm][i] = chats[arm].stream_chat(messages, max_tokens=cap, tools=tools)
+            except Exception as err:  # counted as a failure, the others go on
+                print(f"  {arm}: request {i} failed: {err}", file=sys.stderr)
+            seconds[arm] += time.perf_counter() - start
+    return replies, seconds
+
+
+def paired_ratio(replies: list, base: list) -> float | None:
+    """The geometric mean over requests of one arm's decode speed over the base arm's on the
+    same request (both answered, both with a speed)."""
+    logs = [math.log(a.tok_s / b.tok_s) for a, b in zip(replies, base, strict=True)
+            if a is not None and b is not None and a.tok_s and b.tok_s]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def bench_interleaved(arms: list[str], requests, args, out_dir: Path) -> list[dict]:
+    """Every arm's server at once (--parallel 1), each warmed on a prompt of the work, then
+    interleaved_pass over the requests. Rows as one client's, each with its paired speed over
+    the first arm's and how many of its replies equal the first arm's."""
+    work = requests[:args.requests]
+    with contextlib.ExitStack() as stack:
+        servers = {arm: stack.enter_context(make_server(arm, 1, args, out_dir)) for arm in arms}
+        for arm, server in servers.items():
+            print(f"{arm}: the server's forward is {server.forward}, --parallel 1", flush=True)
+            run_clients(server.url, work[:1], 1, min(args.cap, 16))
+        chats = {arm: stack.enter_context(ChatClient(server.url))
+                 for arm, server in servers.items()}
+        replies, seconds = interleaved_pass(chats, work, args.cap)
+    first = replies[arms[0]]
+    rows = []
+    for arm in arms:
+        row = {"arm": arm, "parallel": 1, "forward": servers[arm].forward, "interleaved": True,
+               **summarise(1, replies[arm], seconds[arm], None),
+               "paired_over_first": paired_ratio(replies[arm], first),
+               "same_as_first": sum(1 for a, b in zip(replies[arm], first, strict=True)
+                                    if a is not None and b is not None and a.text == b.text)}
+        rows.append(row)
+        print(table_row(row), flush=True)
+    for row in rows[1:]:
+        print(f"{row['arm']} over {arms[0]}, interleaved: aggregate "
+              f"{row['aggregate_tok_s'] / rows[0]['aggregate_tok_s']:.3f}x, per request "
+              f"(geometric mean) {fmt(row['paired_over_first'], '.3f')}x; replies equal to "
+              f"{arms[0]}'s {row['same_as_first']}/{row['requests']}")
+    return rows
 
 
 def bench_arm(arm: str, clients: list[int], requests, args, out_dir: Path) -> list[dict]:
@@ -572,7 +649,9 @@ def main(argv=None) -> int:
     rows = []
     rate = args.rate
     with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:
-        for arm in arms:
+        if args.interleave:
+            rows += bench_interleaved(arms, requests, args, Path(tmp))
+        for arm in [] if args.interleave else arms:
             if poisson:  # the first arm's calibration pass sets the rate every arm then gets
                 arm_rows, rate = bench_arm_arrivals(arm, requests, args, Path(tmp), rate)
                 rows += arm_rows

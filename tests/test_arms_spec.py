@@ -84,3 +84,18 @@ def test_speeds_by_source_pool_runs_and_divide_by_the_base_arm():
     assert header == "| arm | longbench | oasst |"
     assert ar == "| ar | 100.0 | 100.0 |"
     assert ngram == "| ngram | 2.00x | 0.50x |"  # 200 tok/s on longbench, 50 on oasst
+
+
+def test_a_run_interleaves_the_arms_per_conversation_rotating_the_first():
+    calls = []
+
+    def run_one(arm, conv):
+        calls.append((arm, conv))
+        return [{"arm": arm, "conv": conv}]
+
+    got = arms.interleaved(["c0", "c1", "c2", "c3"], ["ar", "x", "y"], run_one)
+    assert calls == [("ar", "c0"), ("x", "c0"), ("y", "c0"), ("x", "c1"), ("y", "c1"),
+                     ("ar", "c1"), ("y", "c2"), ("ar", "c2"), ("x", "c2"), ("ar", "c3"),
+                     ("x", "c3"), ("y", "c3")]
+    assert {arm: [r["conv"] for r in rs] for arm, rs in got.items()} == {
+        arm: ["c0", "c1", "c2", "c3"] for arm in ["ar", "x", "y"]}  # in conversation order

@@ -291,3 +291,35 @@ def test_a_slot_takes_another_slots_prefix_exactly_and_never_with_a_drafter():
     assert slot.ids == [0, 1, 2, 3, 4] and slot.kv.length == 5
     with pytest.raises(ValueError, match="drafter"):
         CachedTokens(None, drafter=object(), kv=cache()).copy_prefix(held, 2)
+
+
+@pytest.mark.parametrize("order", [(1, 14, 27), (27, 1, 14)])
+def test_a_step_hands_each_request_its_rows_taps_in_the_batchs_tap_order(fast_model,
+                                                                       model_path, order,
+                                                                       monkeypatch):
+    """A step's taps reach take() as [rows, taps, dim] in Batch.tap_layers' order: the
+    forward's own tensor (a view, no copy) where its ascending order is the batch's, else the
+    hiddens stacked in the batch's order."""
+    from adaspark.sequence import Decode
+
+    engine = Engine(fast_model, Tokenizer.from_gguf(model_path), model_path)
+    engine.batch.tap_layers = order
+    outs, got = [], []
+    verify_many, take = fast_model.verify_many, Decode.take
+
+    def spy(caches, rows, **kw):
+        outs.append(verify_many(caches, rows, **kw))
+        return outs[-1]
+
+    def taken(self, argmax, logits=None, step=None, taps=None):
+        got.append(taps)
+        return take(self, argmax, logits, step, taps)
+
+    monkeypatch.setattr(fast_model, "verify_many", spy)
+    monkeypatch.setattr(Decode, "take", taken)
+    engine.generate(PROMPTS[0], max_tokens=4)
+    assert len(outs) == len(got) == 3  # the prefill's pick, then three one-row steps
+    for out, taps in zip(outs, got, strict=True):
+        assert torch.equal(taps, torch.stack([out.hiddens[layer] for layer in order], -2))
+        # a view of the forward's own tensor only in its order
+        assert (taps._base is out.tap_rows._base) == (order == tuple(sorted(order)))

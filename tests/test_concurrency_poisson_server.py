@@ -70,3 +70,18 @@ def test_the_closed_loop_mode_runs_as_before(tmp_path, monkeypatch):
     assert all("arrivals" not in r for r in result["rows"])
     assert result["rows"][1]["same_as_solo"] == 3
     assert result["rows"][1]["ttft_p95_waves_s"] is not None  # waves: closed loop only
+
+
+def test_the_interleaved_pass_runs_every_arms_server_at_once(tmp_path, monkeypatch, capsys):
+    """--interleave: `ar` and `ngram` up together, each request to both in turn: every reply
+    answered and equal (every arm emits the target's greedy tokens)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out.json"
+    assert concurrency.main(["--arms", "ar,ngram", "--clients", "1", "--requests", "3",
+                             "--cap", "8", "--threads", "1", "--interleave",
+                             "--data", str(write_data(tmp_path)), "--json", str(out)]) == 0
+    ar, ngram = json.loads(out.read_text())["rows"]
+    assert ar["interleaved"] and ngram["interleaved"]
+    assert ar["failed"] == ngram["failed"] == 0 and ngram["same_as_first"] == 3
+    assert ar["tokens"] == ngram["tokens"] and ngram["paired_over_first"] > 0
+    assert "ngram over ar, interleaved" in capsys.readouterr().out

@@ -160,3 +160,38 @@ def test_warm_up_prompts_are_the_requests_lengths_but_none_of_their_prefixes():
         assert messages[0]["content"][0] != original[0]["content"][0]
         assert messages[0]["content"].endswith(original[0]["content"])
     assert requests[0][0][0]["content"] == "hello there"  # the requests themselves unchanged
+
+
+def test_interleave_sends_each_request_to_every_arm_in_turn_the_first_rotating():
+    calls = []
+
+    class Chat:
+        def __init__(self, arm, speed):
+            self.arm, self.speed = arm, speed
+
+        def stream_chat(self, messages, max_tokens, tools=None):
+            calls.append((self.arm, messages))
+            if self.arm == "y" and messages == "m1":
+                raise RuntimeError("down")
+            return SimpleNamespace(text=messages, tok_s=self.speed, completion_tokens=4,
+                                   ttft_s=0.1)
+
+    chats = {"ar": Chat("ar", 10.0), "x": Chat("x", 20.0), "y": Chat("y", 5.0)}
+    replies, seconds = concurrency.interleaved_pass(chats, [("m0", None), ("m1", None),
+                                                            ("m2", None)], cap=8)
+    assert calls == [("ar", "m0"), ("x", "m0"), ("y", "m0"), ("x", "m1"), ("y", "m1"),
+                     ("ar", "m1"), ("y", "m2"), ("ar", "m2"), ("x", "m2")]
+    assert [r is None for r in replies["y"]] == [False, True, False]  # the others went on
+    assert set(seconds) == set(chats) and all(s >= 0.0 for s in seconds.values())
+    assert concurrency.paired_ratio(replies["x"], replies["ar"]) == pytest.approx(2.0)
+    # only the requests both answered are paired
+    assert concurrency.paired_ratio(replies["y"], replies["ar"]) == pytest.approx(0.5)
+    assert concurrency.paired_ratio([None], replies["ar"][:1]) is None
+
+
+def test_interleave_is_one_client_in_closed_loop():
+    assert concurrency.parse_args(["--interleave", "--clients", "1"]).interleave
+    for bad in (["--clients", "1,4"], ["--mixed", "3"], ["--arrivals", "poisson",
+                                                         "--concurrency", "2"]):
+        with pytest.raises(SystemExit):
+            concurrency.parse_args(["--interleave", *bad])

@@ -188,3 +188,22 @@ def test_chain_priors_follow_the_precision_as_it_changes():
         before = p.copy()
         index.extend([PASSAGE[10 + step]])  # the proposal was right: its precision rises
         assert not np.array_equal(index.precision, before)
+
+
+def test_proposes_says_whether_chains_would_grow_an_undrafted_tree():
+    """Scheduler._ngram_tree skips chains() where proposes() is False: on texts with copies,
+    followers and neither, after every token, the two agree."""
+    rng = np.random.default_rng(3)
+    texts = [PASSAGE[:20] + PASSAGE[:12], list(rng.integers(0, 6, 80)),
+             list(rng.integers(0, 10_000, 60)), []]
+    seen = set()
+    for text in texts:
+        index = NgramIndex()
+        for i in range(len(text) + 1):
+            if i:
+                index.extend(text[i - 1:i])
+            tree = CandidateTree.undrafted(text[i - 1] if i else 0)
+            index.chains(tree)
+            assert index.proposes() == (tree.n_nodes > 0)
+            seen.add(index.proposes())
+    assert seen == {True, False}

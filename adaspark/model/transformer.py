@@ -67,6 +67,9 @@ class ForwardOut:
     argmax: torch.Tensor  # [n] int64: the target's greedy next token after each row
     logits: torch.Tensor | None = None  # [n, vocab] float32, when asked for
     hiddens: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, dim] float32
+    # the same taps as one [n, taps, dim] view, layers ascending, where the forward made them
+    # in one tensor (the native forward): a batch's step reads it without stacking them again
+    tap_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -660,7 +663,9 @@ class Transformer:
 
     def _rows(self, tokens: Sequence[int], depths: torch.Tensor, ancestors: torch.Tensor,
               tap_layers: Iterable[int], kernel: str | None, exact_tree: bool = False):
-        """Forward rows at slots cache.length.. with the committed prefix fully visible."""
+        """Forward rows at slots cache.length.. with the committed prefix fully visible: the
+        final-normed rows, each tap layer's rows, the kernel run, and the taps as one [n,
+        taps, dim] view where the forward made them in one tensor (else None)."""
         start, n = self.cache.length, len(depths)
         self.cache.check_room(n)
         kernel = kernel or self.kernels.choose(n)
@@ -673,7 +678,8 @@ class Transformer:
                 self.cache.k, self.cache.v, self._tokens(tokens), start + depths, start,
                 ancestors, taps,
                 **({} if sources is None else {"conv": self.cache.conv, "conv_src": sources}))
-            return x, {layer: hiddens[i] for i, layer in enumerate(taps)}, kernel
+            return (x, {layer: hiddens[i] for i, layer in enumerate(taps)}, kernel,
+                    hiddens.transpose(0, 1) if taps else None)
         span = start + n
         mask = tree = None
         if exact_tree:
@@ -686,7 +692,7 @@ class Transformer:
         positions = (start + depths).to(self.device)[None]
         x, hiddens = self._forward(self.cache, self._tokens(tokens)[None], positions, start,
                                    mask, span, kernel, tap_layers, tree, sources)
-        return x[0], {i: h[0] for i, h in hiddens.items()}, kernel
+        return x[0], {i: h[0] for i, h in hiddens.items()}, kernel, None
 
     def prefill(self, tokens: Sequence[int], tap_layers: Iterable[int] = (), *,
                 return_logits: bool = False, kernel: str | None = None) -> ForwardOut:
@@ -700,7 +706,7 @@ class Transformer:
             chunk = tokens[at:at + PREFILL_CHUNK]
             n = len(chunk)
             causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            x, hiddens, used = self._rows(chunk, torch.arange(n), causal, tap_layers, kernel)
+            x, hiddens, used, _ = self._rows(chunk, torch.arange(n), causal, tap_layers, kernel)
             self.cache.length += n
             for i, h in hiddens.items():
                 taps.setdefault(i, []).append(h)
@@ -721,10 +727,10 @@ class Transformer:
         if n == 0 or depths_t.shape != (n,) or ancestors.shape != (n, n):
             raise ValueError(f"verify needs n >= 1 tokens, n depths and an n x n mask; got "
                              f"{n}, {tuple(depths_t.shape)}, {tuple(ancestors.shape)}")
-        x, hiddens, used = self._rows(tokens, depths_t, ancestors, tap_layers, kernel,
-                                      exact_tree=self.exact)
+        x, hiddens, used, tap_rows = self._rows(tokens, depths_t, ancestors, tap_layers, kernel,
+                                                exact_tree=self.exact)
         out = self._head(x, used, return_logits)
-        out.hiddens = hiddens
+        out.hiddens, out.tap_rows = hiddens, tap_rows
         return out
 
     def commit(self, rows: Sequence[int]) -> None:
@@ -777,6 +783,8 @@ class Transformer:
         x, hiddens = self._native_many(caches, rows, taps)
         out = self._head(x, "native", return_logits)  # what each verify alone runs
         out.hiddens = dict(zip(taps, hiddens, strict=True))
+        if taps and isinstance(hiddens, torch.Tensor):  # [taps, rows, dim]
+            out.tap_rows = hiddens.transpose(0, 1)
         return out
 
     def _native_many(self, caches: Sequence[KVCache], rows: Sequence[tuple],
@@ -865,7 +873,7 @@ class Transformer:
                     self.cache.check_room(len(chunk))
                     n = len(chunk)
                     causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-                    x, hiddens, used = self._rows(chunk, torch.arange(n), causal, taps, None)
+                    x, hiddens, used, _ = self._rows(chunk, torch.arange(n), causal, taps, None)
                     self.cache.length += n
                     out = self._head(x[first:], used, True)
                 out.hiddens = hiddens

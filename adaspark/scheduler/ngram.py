@@ -173,6 +173,11 @@ class NgramIndex:
 
     # --- chains -------------------------------------------------------------------------
 
+    def proposes(self) -> bool:
+        """Whether the index proposes a token at the anchor (what an undrafted tree's chain
+        starts from): without one, chains() on an undrafted tree adds nothing."""
+        return bool(self.hist) and self._propose(self.hist, [], self._copy) is not None
+
     def chains(self, tree: CandidateTree) -> None:
         """Add the round's n-gram chains to `tree` (see module docstring)."""
         if not self.hist:

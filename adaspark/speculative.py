@@ -503,9 +503,10 @@ class Speculator:
 
 
 # What `serve`, `generate` and `chat` run without --arm: AdaSpark with the draft gate, which on
-# the project's 2-core CPU decodes 1.43x plain decoding against 1.20x for the paper's `adaspark`
-# (benchmarks/arms.py, short subset). Every arm emits the target's greedy tokens; the paper's
-# arms stay available by name for its protocol (`adaspark bench`).
+# the project's 2-core CPUs decodes 1.22-1.34x plain decoding against 1.08-1.23x for the paper's
+# `adaspark` (benchmarks/arms.py, short subset, docs/results/zen5-s36/; level with `ngram` there:
+# issue 44's drafter does not yet add to the n-gram fill). Every arm emits the target's greedy
+# tokens; the paper's arms stay available by name for its protocol (`adaspark bench`).
 DEFAULT_ARM = "adaspark,gate"
 # ... and for a model with no drafter (none shipped for its file, none given): the paper's n-gram
 # fill alone, priced and sized like the drafted arms' trees, a plain row where they do not pay.

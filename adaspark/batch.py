@@ -105,11 +105,6 @@ class Batch:
         self.after_verify: Callable[[list[Decode], Step], None] | None = None
 
     @property
-    def _sorted_taps(self) -> tuple[int, ...]:
-        """The order of ForwardOut.tap_rows: the tap layers ascending, each once."""
-        return tuple(sorted(set(self.tap_layers)))
-
-    @property
     def full(self) -> bool:
         return len(self.running) >= self.max_slots
 
@@ -318,11 +313,10 @@ class Batch:
         # tap_layers' order (a copy where the forward gave them layer by layer: the target may
         # reuse its buffers), each request's rows a view of them (Drafter.observe_taps)
         argmax = out.argmax.cpu().numpy()
-        taps = None
         if not self.tap_layers:
-            pass
-        elif out.tap_rows is not None and self.tap_layers == self._sorted_taps:
-            taps = out.tap_rows  # the forward's own tensor, made for this call: no copy
+            taps = None
+        elif out.tap_rows is not None and tuple(out.hiddens) == self.tap_layers:
+            taps = out.tap_rows  # the forward's own tensor in our order, made for this call
         else:
             taps = torch.stack([out.hiddens[layer] for layer in self.tap_layers], -2)
         failed, at = [], 0

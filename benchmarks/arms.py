@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from adaspark.bench.conversations import SUBSETS, load_conversations
+from adaspark.bench.interleave import interleaved
 from adaspark.engine import Engine
 from adaspark.model.gguf import read_gguf
 from adaspark.model.sources import resolve_model
@@ -99,19 +100,6 @@ def run_conversation(engine: Engine, conv, max_tokens: int, args=None) -> list[d
         messages.append({"role": "assistant", "content": gen.text})
         replies.append({"conversation": conv.key, "turn": turn, "tokens": gen.token_ids,
                         "finish": gen.finish_reason, **gen.timings.as_dict()})
-    return replies
-
-
-def interleaved(convs: list, arms: list[str], run_one) -> dict[str, list[dict]]:
-    """One run: every arm decodes every conversation (run_one(arm, conv) -> its replies), the
-    arms taking turns per conversation, the first arm rotating (A B C, B C A, C A B, ...), so
-    drift lands on every arm alike and none always follows the same one. Replies per arm, in
-    conversation order."""
-    replies: dict[str, list[dict]] = {arm: [] for arm in arms}
-    for i, conv in enumerate(convs):
-        shift = i % len(arms)
-        for arm in arms[shift:] + arms[:shift]:
-            replies[arm] += run_one(arm, conv)
     return replies
 
 

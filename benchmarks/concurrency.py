@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import queue
 import random
@@ -86,8 +85,10 @@ import httpx
 
 from adaspark.bench.client import ChatClient, StreamedReply
 from adaspark.bench.conversations import Conversation, load_conversations
+from adaspark.bench.interleave import interleaved
 from adaspark.bench.runner import machine_description
 from adaspark.bench.servers import LocalServer
+from adaspark.bench.stats import geomean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arrivals import mean_in_flight, poisson_arrivals, run_arrivals  # noqa: E402
@@ -282,32 +283,32 @@ def make_server(arm: str, parallel: int, args, out_dir: Path):
 
 def interleaved_pass(chats: dict, requests: list, cap: int
                      ) -> tuple[dict[str, list[StreamedReply | None]], dict[str, float]]:
-    """--interleave: each request to every arm's server in turn (chats: arm -> ChatClient), the
-    first arm rotating (A B, B A, ...), one at a time, so the machine's drift lands on every
+    """--interleave: each request to every arm's server in turn (chats: arm -> ChatClient), one
+    at a time (bench.interleave: the first arm rotating), so the machine's drift lands on every
     arm alike (the arms' passes one after another put tens of seconds between them, and a
     shared machine drifts by more than the arms differ). Per arm: its replies (None: failed)
     and the seconds its requests took, first byte to last, its wall for the aggregate."""
-    arms = list(chats)
-    replies = {arm: [None] * len(requests) for arm in arms}
-    seconds = dict.fromkeys(arms, 0.0)
-    for i, (messages, tools) in enumerate(requests):
-        shift = i % len(arms)
-        for arm in arms[shift:] + arms[:shift]:
-            start = time.perf_counter()
-            try:
-                replies[arm][i] = chats[arm].stream_chat(messages, max_tokens=cap, tools=tools)
-            except Exception as err:  # counted as a failure, the others go on
-                print(f"  {arm}: request {i} failed: {err}", file=sys.stderr)
-            seconds[arm] += time.perf_counter() - start
-    return replies, seconds
+    seconds = dict.fromkeys(chats, 0.0)
+
+    def one(arm: str, request: tuple) -> list[StreamedReply | None]:
+        i, (messages, tools) = request
+        start, reply = time.perf_counter(), None
+        try:
+            reply = chats[arm].stream_chat(messages, max_tokens=cap, tools=tools)
+        except Exception as err:  # counted as a failure, the others go on
+            print(f"  {arm}: request {i} failed: {err}", file=sys.stderr)
+        seconds[arm] += time.perf_counter() - start
+        return [reply]
+
+    return interleaved(list(enumerate(requests)), list(chats), one), seconds
 
 
 def paired_ratio(replies: list, base: list) -> float | None:
     """The geometric mean over requests of one arm's decode speed over the base arm's on the
     same request (both answered, both with a speed)."""
-    logs = [math.log(a.tok_s / b.tok_s) for a, b in zip(replies, base, strict=True)
-            if a is not None and b is not None and a.tok_s and b.tok_s]
-    return math.exp(sum(logs) / len(logs)) if logs else None
+    ratios = [a.tok_s / b.tok_s for a, b in zip(replies, base, strict=True)
+              if a is not None and b is not None and a.tok_s and b.tok_s]
+    return geomean(ratios) if ratios else None
 
 
 def bench_interleaved(arms: list[str], requests, args, out_dir: Path) -> list[dict]:
@@ -651,11 +652,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="adaspark-concurrency-") as tmp:
         if args.interleave:
             rows += bench_interleaved(arms, requests, args, Path(tmp))
-        for arm in [] if args.interleave else arms:
-            if poisson:  # the first arm's calibration pass sets the rate every arm then gets
+        elif poisson:  # the first arm's calibration pass sets the rate every arm then gets
+            for arm in arms:
                 arm_rows, rate = bench_arm_arrivals(arm, requests, args, Path(tmp), rate)
                 rows += arm_rows
-            else:
+        else:
+            for arm in arms:
                 rows += bench_arm(arm, clients, requests, args, Path(tmp))
     comparison = compare_arrivals(rows) if poisson else None
     for c in comparison or []:

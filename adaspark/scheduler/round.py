@@ -377,9 +377,8 @@ class Scheduler:
     def _ngram_tree(self, stop_ids: Sequence[int]) -> CandidateTree:
         tree = self._undrafted_tree(stop_ids)
         index = self.index
-        # most rounds the index proposes nothing at the anchor: the tree stays empty (no
-        # chains to add, nothing to seal) unless a grammar forces tokens into it
-        if index is not None and (self.request.constraint is not None or index.proposes()):
+        # most rounds the index proposes nothing at the anchor: chains would add nothing
+        if index is not None and index.proposes():
             index.chains(tree)
         self._constrain(tree)
         return tree
